@@ -1,0 +1,192 @@
+"""The run config: one typed tree, defaults < config file < ``--set`` overrides.
+
+Every field carries a description; unknown keys are rejected. ``load_config`` is the only
+entry point, and it fails (``ConfigError``) before any process group exists, naming the key
+and what is allowed. ``rsclip-ds show-config`` prints the whole tree with descriptions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A run config, profile or batch setting that cannot work; the message names the fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+
+class ModelConfig(_Strict):
+    preset: Literal["tiny", "git-rsclip-base", "git-rsclip-large"] = Field(
+        "tiny", description="Architecture preset: 'git-rsclip-large' (SigLIP-L/16, 256 px, ~650M), "
+        "'git-rsclip-base' (SigLIP-B/16, 224 px, ~200M), 'tiny' (trains in seconds on a CPU).")
+    pretrained: Optional[Path] = Field(
+        None, description="Local Hugging Face folder (model, tokenizer, image processor) to start "
+        "from; the preset is then ignored for the architecture.")
+    tokenizer: Optional[Path] = Field(
+        None, description="Tokenizer folder (from `rsclip-ds train-tokenizer`); defaults to the "
+        "`pretrained` folder. Required for from-scratch runs.")
+    loss: Literal["siglip", "clip"] = Field(
+        "siglip", description="Contrastive loss: 'siglip' (pairwise sigmoid, learnable temperature "
+        "and bias) or 'clip' (softmax InfoNCE, learnable temperature).")
+    activation_checkpointing: Optional[bool] = Field(
+        None, description="Recompute tower activations in backward to save memory. null: as the "
+        "profile's `rsclip.activation_checkpointing` says.")
+
+
+class DataConfig(_Strict):
+    train_shards: Optional[str] = Field(
+        None, description="Training shards: a brace pattern ('data/train-{000000..000009}.tar'), a "
+        "glob, a file listing one shard per line, or several of these joined by '::'.")
+    image_key: str = Field("jpg;jpeg;png;webp;tif;tiff",
+                           description="Member extension(s) holding the image, ';'-separated, first match wins.")
+    caption_key: str = Field("txt", description="Member extension(s) holding the caption, ';'-separated.")
+    shuffle_buffer: int = Field(1000, ge=0, description="Samples held in the shuffle buffer of each worker (0: off).")
+    num_workers: int = Field(2, ge=0, description="Data-loader worker processes per rank.")
+
+
+class BatchConfig(_Strict):
+    micro_batch_size: int = Field(16, ge=1, description="Samples per GPU per forward/backward pass.")
+    gradient_accumulation_steps: int = Field(
+        1, ge=1, description="Micro-batches per optimizer step. The global batch is "
+        "micro_batch_size x gradient_accumulation_steps x world size.")
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(5e-4, gt=0, description="Peak learning rate (before `lr_scaling`).")
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        "none", description="Scale `lr` with the number of ranks: 'linear' (lr x world), 'sqrt' "
+        "(lr x sqrt(world)) or 'none'.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay; biases, norms, embeddings "
+                                "of position and the logit scale/bias are not decayed.")
+    betas: tuple[float, float] = Field((0.9, 0.98), description="AdamW betas.")
+    eps: float = Field(1e-6, gt=0, description="AdamW epsilon.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps of the warmup+cosine schedule.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
+    gradient_clipping: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0: off).")
+    impl: Literal["auto", "torch", "deepspeed"] = Field(
+        "auto", description="AdamW implementation: 'deepspeed' (FusedAdam on GPU, DeepSpeedCPUAdam "
+        "with offload; JIT-built), 'torch' (torch.optim.AdamW, no build), 'auto' (deepspeed on GPU, "
+        "torch on CPU ranks).")
+
+
+class Fp16Config(_Strict):
+    initial_scale_power: int = Field(16, ge=0, le=32, description="fp16 only: initial loss scale is 2**this.")
+    loss_scale_window: int = Field(1000, ge=1, description="fp16 only: overflow-free steps before the scale grows.")
+    hysteresis: int = Field(2, ge=1, description="fp16 only: overflows tolerated before the scale shrinks.")
+    min_loss_scale: float = Field(1.0, gt=0, description="fp16 only: the scale never goes below this.")
+
+
+class LoggingConfig(_Strict):
+    log_every: int = Field(10, ge=1, description="Optimizer steps between log lines / progress updates.")
+    progress: Literal["auto", "rich", "plain"] = Field(
+        "auto", description="'rich' live progress, 'plain' log lines, 'auto': rich on a terminal.")
+
+
+class RunConfig(_Strict):
+    profile: str = Field("zero2", description="DeepSpeed strategy: a name in ds_profiles/ (zero1, zero2, "
+                         "zero2_offload, zero3, zero3_offload) or a path to a profile JSON.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "bf16", description="Training precision, managed by the DeepSpeed engine.")
+    steps: int = Field(100, ge=1, description="Optimizer steps to train.")
+    seed: int = Field(0, description="Seed for model init, data order and dropout.")
+    output_dir: Path = Field(Path("runs/default"), description="Where the run writes its summary and logs.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The dual encoder.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Training data.")
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="Batch arithmetic.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")
+    fp16: Fp16Config = Field(default_factory=Fp16Config, description="Loss-scaler settings (precision=fp16).")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress output.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunConfig":
+        if self.optim.warmup_steps >= self.steps and self.steps > 1:
+            raise ValueError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be below steps "
+                             f"({self.steps}); lower it with --set optim.warmup_steps=N")
+        return self
+
+
+# --------------------------------------------------------------------------- loading
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    text = path.read_text()
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of config keys")
+    return data
+
+
+def _apply_override(tree: dict[str, Any], item: str) -> None:
+    """Apply one ``a.b.c=value``; the value is parsed as YAML (so 3, 1e-4, true, [1,2] work)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set expects key=value, got {item!r} (for example --set batch.micro_batch_size=8)")
+    *parents, leaf = key.strip().split(".")
+    node = tree
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: '{part}' is a value, not a section")
+        node = child
+    node[leaf] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            section = _section_of(e["loc"][:-1])
+            allowed = ", ".join(sorted(section.model_fields)) if section else "?"
+            lines.append(f"  {loc}: unknown key; allowed here: {allowed}")
+        elif e["type"] == "value_error":
+            lines.append(f"  {loc}: {e['msg'].removeprefix('Value error, ')}")
+        else:
+            lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})")
+    return "invalid run config:\n" + "\n".join(lines) + "\n(`rsclip-ds show-config` lists every key)"
+
+
+def _section_of(loc: tuple) -> type[BaseModel] | None:
+    cls: type[BaseModel] = RunConfig
+    for part in loc:
+        field = cls.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        cls = ann
+    return cls
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """defaults < file < overrides; raises ConfigError naming every bad key."""
+    tree = _read_file(Path(path)) if path else {}
+    for item in overrides or []:
+        _apply_override(tree, item)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def describe(cls: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, description) for every leaf field, for `rsclip-ds show-config`."""
+    rows = []
+    for name, field in cls.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows += describe(ann, f"{prefix}{name}.")
+        else:
+            default = field.get_default(call_default_factory=True)
+            rows.append((prefix + name, repr(default), field.description or ""))
+    return rows
