@@ -1,0 +1,170 @@
+"""The dual encoder: Hugging Face SigLIP towers plus a learnable logit scale and bias.
+
+`DualEncoder` holds the towers under the same attribute names as `transformers.SiglipModel`,
+so its state dict *is* a SiglipModel state dict: export is `SiglipModel.load_state_dict`.
+`logit_scale` / `logit_bias` keep SiglipModel's shape [1]: DeepSpeed 0.19.8 crashes on 0-dim
+parameters (`self.dim() cannot be 0 to view Float as Byte`), and CLIPModel's 0-dim scale is
+the reason we do not use CLIPModel for the 'clip' loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rsclip_ds.config import ConfigError, ModelConfig
+
+# Shapes follow the published checkpoints: Git-RSCLIP = SigLIP-L/16 at 256 px,
+# Git-RSCLIP-base = SigLIP-B/16 at 224 px; both use 64 text tokens and image mean/std 0.5.
+PRESETS: dict[str, dict[str, Any]] = {
+    "git-rsclip-large": {
+        "text": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                     num_attention_heads=16, max_position_embeddings=64, vocab_size=32000),
+        "vision": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                       num_attention_heads=16, image_size=256, patch_size=16),
+    },
+    "git-rsclip-base": {
+        "text": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                     num_attention_heads=12, max_position_embeddings=64, vocab_size=32000),
+        "vision": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                       num_attention_heads=12, image_size=224, patch_size=16),
+    },
+    "tiny": {
+        "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=2, max_position_embeddings=32, vocab_size=1000),
+        "vision": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, image_size=64, patch_size=8),
+    },
+}
+IMAGE_MEAN = (0.5, 0.5, 0.5)
+IMAGE_STD = (0.5, 0.5, 0.5)
+# Initial temperature / bias. SigLIP: t' = log 10, b = -10 (Zhai et al. 2023, sec. 3.2);
+# CLIP: t = 1/0.07 (Radford et al. 2021), no bias.
+LOGIT_INIT = {"siglip": (math.log(10.0), -10.0), "clip": (math.log(1 / 0.07), 0.0)}
+
+
+class DualEncoder(nn.Module):
+    """Image tower + text tower -> L2-normalised embeddings, logit scale (log) and bias."""
+
+    def __init__(self, siglip: nn.Module):
+        super().__init__()
+        self.config = siglip.config
+        self.vision_model = siglip.vision_model   # SiglipVisionModel
+        self.text_model = siglip.text_model       # SiglipTextModel
+        self.logit_scale = siglip.logit_scale     # (1,) log temperature
+        self.logit_bias = siglip.logit_bias       # (1,)
+
+    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor):
+        # Both towers run inside this forward, so ZeRO-3 gathers their parameters here.
+        image = self.vision_model(pixel_values=pixel_values).pooler_output   # (B, D)
+        text = self.text_model(input_ids=input_ids).pooler_output             # (B, D)
+        return F.normalize(image, dim=-1), F.normalize(text, dim=-1), self.logit_scale, self.logit_bias
+
+
+@dataclass
+class ModelBundle:
+    """What the trainer and the data loader need to agree on."""
+    model: DualEncoder
+    tokenizer: Any
+    image_size: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    max_text_length: int
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def preset_config(preset: str, vocab_size: int | None = None):
+    from transformers import SiglipConfig
+
+    spec = PRESETS[preset]
+    text = dict(spec["text"])
+    if vocab_size is not None:
+        text["vocab_size"] = vocab_size
+    return SiglipConfig(text_config=text, vision_config=dict(spec["vision"]))
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise ConfigError(f"tokenizer folder not found: {path} (train one with "
+                          f"`rsclip-ds train-tokenizer --shards ... --out {path}`)")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _init_logits(model: DualEncoder, loss: str) -> None:
+    scale, bias = LOGIT_INIT[loss]
+    with torch.no_grad():
+        model.logit_scale.fill_(scale)
+        model.logit_bias.fill_(bias)
+
+
+def build_model(cfg: ModelConfig, seed: int) -> ModelBundle:
+    """From a preset (random init, seeded) or from a local Hugging Face folder."""
+    from transformers import SiglipModel
+
+    if cfg.pretrained is not None:
+        return _load_pretrained(cfg)
+    if cfg.tokenizer is None:
+        raise ConfigError("model.tokenizer is required for a from-scratch run: train one with "
+                          "`rsclip-ds train-tokenizer --shards DATA --out TOKDIR` and pass "
+                          "--set model.tokenizer=TOKDIR (or set model.pretrained)")
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    config = preset_config(cfg.preset, vocab_size=len(tokenizer))
+    torch.manual_seed(seed)
+    model = DualEncoder(SiglipModel(config))
+    _init_logits(model, cfg.loss)
+    return _bundle(model, tokenizer, cfg, IMAGE_MEAN, IMAGE_STD)
+
+
+def _load_pretrained(cfg: ModelConfig) -> ModelBundle:
+    from transformers import SiglipImageProcessorPil, SiglipModel
+
+    folder = Path(cfg.pretrained)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"model.pretrained={folder} is not a Hugging Face model folder "
+                          f"(no config.json); export one with `rsclip-ds export`")
+    model = DualEncoder(SiglipModel.from_pretrained(str(folder)))
+    tokenizer = load_tokenizer(cfg.tokenizer or folder)
+    mean, std = IMAGE_MEAN, IMAGE_STD
+    if (folder / "preprocessor_config.json").is_file():
+        proc = SiglipImageProcessorPil.from_pretrained(str(folder))
+        mean, std = tuple(proc.image_mean), tuple(proc.image_std)
+    if cfg.loss == "clip":
+        _init_logits(model, "clip")   # a SigLIP checkpoint's scale/bias mean nothing to softmax
+    return _bundle(model, tokenizer, cfg, mean, std)
+
+
+def _bundle(model: DualEncoder, tokenizer, cfg: ModelConfig, mean, std) -> ModelBundle:
+    if cfg.loss == "clip":
+        model.logit_bias.requires_grad_(False)   # softmax is shift-invariant: no gradient
+    vc, tc = model.config.vision_config, model.config.text_config
+    return ModelBundle(model, tokenizer, vc.image_size, tuple(mean), tuple(std), tc.max_position_embeddings)
+
+
+def apply_activation_checkpointing(model: DualEncoder) -> None:
+    """Recompute every encoder layer of both towers in backward (non-reentrant: works with
+    ZeRO-3's parameter hooks and with inputs that do not require grad)."""
+    for tower in (model.vision_model, model.text_model):
+        tower.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def save_pretrained(model: DualEncoder, tokenizer, out_dir: Path, mean=IMAGE_MEAN, std=IMAGE_STD) -> None:
+    """Write a Hugging Face folder (model, tokenizer, image processor) from a DualEncoder."""
+    from transformers import SiglipImageProcessorPil, SiglipModel
+
+    siglip = SiglipModel(model.config)
+    siglip.load_state_dict(model.state_dict())
+    siglip.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    size = model.config.vision_config.image_size
+    SiglipImageProcessorPil(size={"height": size, "width": size}, image_mean=list(mean),
+                            image_std=list(std)).save_pretrained(str(out_dir))

@@ -1,0 +1,202 @@
+"""ds_profiles/*.json + run config -> the DeepSpeed config dict, and the batch arithmetic.
+
+A profile holds the *strategy* (ZeRO stage, offload, buckets, activation checkpointing); the
+run config holds the *per-run values* (batch sizes, precision, optimizer, schedule, clipping).
+A profile may repeat a per-run value only if it agrees; otherwise it is an error naming both.
+DeepSpeed ignores unknown top-level keys silently, so profiles are checked against our own
+list here, and the `zero_optimization` block against DeepSpeed's own pydantic model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rsclip_ds.config import ConfigError, RunConfig
+
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "ds_profiles"
+
+# Strategy keys a profile may set (handed to DeepSpeed as they are).
+STRATEGY_KEYS = {
+    "zero_optimization", "communication_data_type", "steps_per_print", "wall_clock_breakdown",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "prescale_gradients",
+    "gradient_predivide_factor", "sparse_gradients", "flops_profiler", "comms_logger",
+    "tensorboard", "csv_monitor", "memory_breakdown", "dump_state",
+}
+# Per-run keys: derived from the run config; a profile may only repeat the same value.
+RUN_KEYS = {
+    "train_batch_size": "batch.* x world size",
+    "train_micro_batch_size_per_gpu": "batch.micro_batch_size",
+    "gradient_accumulation_steps": "batch.gradient_accumulation_steps",
+    "fp16": "precision / fp16.*",
+    "bf16": "precision",
+    "optimizer": "optim.*",
+    "scheduler": "optim.warmup_steps / steps / optim.min_lr_ratio",
+    "gradient_clipping": "optim.gradient_clipping",
+}
+# Our own block, removed before DeepSpeed sees the dict.
+RSCLIP_KEYS = {"description", "gpu_budget", "activation_checkpointing"}
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    path: Path
+    strategy: dict[str, Any]       # the keys handed to DeepSpeed
+    run_values: dict[str, Any]     # per-run keys the profile repeats (must agree)
+    description: str
+    activation_checkpointing: bool
+
+    @property
+    def stage(self) -> int:
+        return int(self.strategy.get("zero_optimization", {}).get("stage", 0))
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return _offload_device(self.strategy, "offload_optimizer") not in (None, "none")
+
+    @property
+    def offload_param(self) -> bool:
+        return _offload_device(self.strategy, "offload_param") not in (None, "none")
+
+
+def _offload_device(strategy: dict, key: str) -> str | None:
+    block = strategy.get("zero_optimization", {}).get(key) or {}
+    return block.get("device")
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def resolve_profile_path(name: str) -> Path:
+    path = Path(name)
+    if path.suffix == ".json" or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"profile file not found: {path}")
+        return path
+    path = PROFILE_DIR / f"{name}.json"
+    if not path.is_file():
+        raise ConfigError(f"unknown profile {name!r}; available: {', '.join(available_profiles())} "
+                          f"(or give a path to a profile JSON)")
+    return path
+
+
+def load_profile(name: str) -> Profile:
+    """Read and validate a profile; errors name the file, the key and what is allowed."""
+    path = resolve_profile_path(name)
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"profile {path}: not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"profile {path}: the top level must be an object")
+    own = raw.pop("rsclip", {})
+    unknown = set(raw) - STRATEGY_KEYS - set(RUN_KEYS)
+    if unknown:
+        raise ConfigError(f"profile {path}: unknown key(s) {sorted(unknown)}; a profile may set "
+                          f"{sorted(STRATEGY_KEYS)}, and per-run keys only from the run config")
+    bad_own = set(own) - RSCLIP_KEYS
+    if bad_own:
+        raise ConfigError(f"profile {path}: unknown key(s) {sorted(bad_own)} in 'rsclip'; "
+                          f"allowed: {sorted(RSCLIP_KEYS)}")
+    _check_zero_block(path, raw.get("zero_optimization", {}))
+    return Profile(
+        name=path.stem, path=path,
+        strategy={k: v for k, v in raw.items() if k in STRATEGY_KEYS},
+        run_values={k: v for k, v in raw.items() if k in RUN_KEYS},
+        description=str(own.get("description", "")),
+        activation_checkpointing=bool(own.get("activation_checkpointing", False)),
+    )
+
+
+def _check_zero_block(path: Path, block: dict) -> None:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    try:
+        DeepSpeedZeroConfig(**block)
+    except ValidationError as err:
+        msgs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise ConfigError(f"profile {path}: zero_optimization is invalid: {msgs}") from None
+
+
+# --------------------------------------------------------------------------- batch arithmetic
+
+@dataclass(frozen=True)
+class BatchPlan:
+    micro: int          # samples per rank per forward/backward
+    accumulation: int   # micro-batches per optimizer step
+    world: int          # data-parallel ranks
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accumulation * self.world
+
+    def __str__(self) -> str:
+        return f"{self.micro} x {self.accumulation} x {self.world} = {self.global_batch}"
+
+
+def derive_batch(run: RunConfig, world_size: int) -> BatchPlan:
+    """The one place where the global batch is computed (micro x accumulation x world)."""
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
+    return BatchPlan(run.batch.micro_batch_size, run.batch.gradient_accumulation_steps, world_size)
+
+
+def scaled_lr(run: RunConfig, world_size: int) -> float:
+    factor = {"none": 1.0, "linear": float(world_size), "sqrt": math.sqrt(world_size)}
+    return run.optim.lr * factor[run.optim.lr_scaling]
+
+
+# --------------------------------------------------------------------------- the DeepSpeed dict
+
+def _run_values(run: RunConfig, plan: BatchPlan, on_gpu: bool) -> dict[str, Any]:
+    o = run.optim
+    use_ds_adam = o.impl == "deepspeed" or (o.impl == "auto" and on_gpu)
+    values: dict[str, Any] = {
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": plan.micro,
+        "gradient_accumulation_steps": plan.accumulation,
+        "gradient_clipping": o.gradient_clipping,
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": scaled_lr(run, plan.world), "betas": list(o.betas), "eps": o.eps,
+            "weight_decay": o.weight_decay, "torch_adam": not use_ds_adam}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": run.steps, "warmup_num_steps": max(1, o.warmup_steps),
+            "warmup_min_ratio": 0.0, "cos_min_ratio": o.min_lr_ratio, "warmup_type": "linear"}},
+        "bf16": {"enabled": run.precision == "bf16"},
+        "fp16": {"enabled": run.precision == "fp16"},
+    }
+    if run.precision == "fp16":
+        f = run.fp16
+        values["fp16"].update(loss_scale=0, initial_scale_power=f.initial_scale_power,
+                              loss_scale_window=f.loss_scale_window, hysteresis=f.hysteresis,
+                              min_loss_scale=f.min_loss_scale)
+    return values
+
+
+def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu: bool) -> dict[str, Any]:
+    """Merge the profile's strategy with the run's values; conflicts name both sides."""
+    plan = derive_batch(run, world_size)
+    values = _run_values(run, plan, on_gpu)
+    for key, theirs in profile.run_values.items():
+        if theirs != values[key]:
+            raise ConfigError(
+                f"profile {profile.path.name} sets {key}={json.dumps(theirs)} but the run config gives "
+                f"{json.dumps(values[key])} (from {RUN_KEYS[key]}); per-run values come from the run "
+                f"config: remove {key!r} from the profile, or change {RUN_KEYS[key]}")
+    config = {"steps_per_print": 10**9, "wall_clock_breakdown": False, **profile.strategy, **values}
+    if profile.offload_optimizer and values["optimizer"]["params"]["torch_adam"]:
+        # torch.optim.AdamW on offloaded states: allowed, slower than DeepSpeedCPUAdam on GPUs.
+        config["zero_force_ds_cpu_optimizer"] = False
+    return config
+
+
+def activation_checkpointing_enabled(run: RunConfig, profile: Profile) -> bool:
+    """The run config wins when set; otherwise the profile decides."""
+    ac = run.model.activation_checkpointing
+    return profile.activation_checkpointing if ac is None else ac

@@ -1,0 +1,131 @@
+import json
+
+import pytest
+
+from rsclip_ds.config import ConfigError, load_config
+from rsclip_ds.profiles import (RUN_KEYS, activation_checkpointing_enabled, available_profiles,
+                                build_ds_config, derive_batch, load_profile, scaled_lr)
+
+REQUIRED_PROFILES = {"zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"}
+
+
+def test_precedence_defaults_file_then_set(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("steps: 50\nbatch:\n  micro_batch_size: 4\noptim:\n  lr: 0.01\n")
+    run = load_config(cfg, ["batch.micro_batch_size=8", "optim.betas=[0.9, 0.95]"])
+    assert run.steps == 50                      # file over default
+    assert run.batch.micro_batch_size == 8      # --set over file
+    assert run.optim.lr == 0.01
+    assert run.optim.betas == (0.9, 0.95)
+    assert run.precision == "bf16"              # default
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("model.presett=tiny", "model.presett: unknown key; allowed here: activation_checkpointing, loss, preset"),
+    ("precision=fp8", "precision: Input should be 'fp32', 'bf16' or 'fp16'"),
+    ("batch.micro_batch_size=0", "batch.micro_batch_size"),
+    ("optim.lr_scaling=cubic", "optim.lr_scaling"),
+    ("bogus=1", "bogus: unknown key; allowed here:"),
+    ("steps", "--set expects key=value"),
+])
+def test_bad_config_names_the_key_and_what_is_allowed(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert fragment in str(err.value)
+
+
+def test_json_config_and_missing_file(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"profile": "zero3", "model": {"loss": "clip"}}))
+    assert load_config(path).model.loss == "clip"
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_every_required_profile_loads_and_is_documented():
+    names = set(available_profiles())
+    assert REQUIRED_PROFILES <= names
+    readme = (load_profile("zero1").path.parent / "README.md").read_text()
+    expect = {"zero1": (1, False, False), "zero2": (2, False, False), "zero2_offload": (2, True, False),
+              "zero3": (3, False, False), "zero3_offload": (3, True, True)}
+    for name, (stage, opt, param) in expect.items():
+        p = load_profile(name)
+        assert (p.stage, p.offload_optimizer, p.offload_param) == (stage, opt, param)
+        assert f"`{name}`" in readme, f"{name} has no line in ds_profiles/README.md"
+        for block in ("offload_optimizer", "offload_param"):   # pin_memory explicit (default changed in 0.19.5)
+            if block in p.strategy["zero_optimization"]:
+                assert "pin_memory" in p.strategy["zero_optimization"][block]
+
+
+def test_batch_arithmetic_is_written_into_the_ds_config():
+    run = load_config(None, ["batch.micro_batch_size=8", "batch.gradient_accumulation_steps=3"])
+    plan = derive_batch(run, 4)
+    assert (plan.global_batch, str(plan)) == (96, "8 x 3 x 4 = 96")
+    ds = build_ds_config(run, load_profile("zero2"), 4, on_gpu=False)
+    assert ds["train_batch_size"] == 96
+    assert ds["train_micro_batch_size_per_gpu"] == 8
+    assert ds["gradient_accumulation_steps"] == 3
+    assert ds["gradient_clipping"] == 1.0                  # explicit (default changed in 0.19.3)
+    assert ds["optimizer"]["params"]["torch_adam"] is True  # CPU ranks: no fused_adam JIT build
+    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+
+
+def test_lr_scaling_with_world_size():
+    for mode, expected in (("none", 1e-3), ("linear", 4e-3), ("sqrt", 2e-3)):
+        run = load_config(None, ["optim.lr=1e-3", f"optim.lr_scaling={mode}"])
+        assert scaled_lr(run, 4) == pytest.approx(expected)
+        ds = build_ds_config(run, load_profile("zero1"), 4, on_gpu=False)
+        assert ds["optimizer"]["params"]["lr"] == pytest.approx(expected)
+
+
+def _write_profile(tmp_path, body):
+    path = tmp_path / "custom.json"
+    path.write_text(json.dumps(body))
+    return str(path)
+
+
+def test_profile_with_conflicting_run_value_names_both(tmp_path):
+    path = _write_profile(tmp_path, {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4})
+    run = load_config(None, ["batch.micro_batch_size=8"])
+    with pytest.raises(ConfigError) as err:
+        build_ds_config(run, load_profile(path), 2, on_gpu=False)
+    msg = str(err.value)
+    assert "train_micro_batch_size_per_gpu=4" in msg and "8" in msg and "batch.micro_batch_size" in msg
+    # the same value is accepted
+    build_ds_config(load_config(None, ["batch.micro_batch_size=4"]), load_profile(path), 2, on_gpu=False)
+
+
+def test_inconsistent_batch_in_profile_is_an_error(tmp_path):
+    path = _write_profile(tmp_path, {"zero_optimization": {"stage": 1}, "train_batch_size": 100})
+    run = load_config(None, ["batch.micro_batch_size=8"])
+    with pytest.raises(ConfigError, match=r"train_batch_size=100 .* 16 \(from batch\.\* x world size\)"):
+        build_ds_config(run, load_profile(path), 2, on_gpu=False)
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"zero_optimization": {"stage": 2}, "zero_optimisation": {}}, "unknown key(s) ['zero_optimisation']"),
+    ({"zero_optimization": {"stage": 2, "overlap_com": True}}, "zero_optimization is invalid: overlap_com"),
+    ({"zero_optimization": {"stage": 2}, "rsclip": {"act_ckpt": True}}, "unknown key(s) ['act_ckpt'] in 'rsclip'"),
+])
+def test_bad_profile_is_rejected_with_the_key(tmp_path, body, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_profile(_write_profile(tmp_path, body))
+    assert fragment in str(err.value)
+
+
+def test_unknown_profile_lists_the_available_ones():
+    with pytest.raises(ConfigError, match="available: .*zero2_offload"):
+        load_profile("zero4")
+
+
+def test_activation_checkpointing_run_config_overrides_profile():
+    assert activation_checkpointing_enabled(load_config(), load_profile("zero3_offload")) is True
+    assert activation_checkpointing_enabled(load_config(), load_profile("zero2")) is False
+    run = load_config(None, ["model.activation_checkpointing=true"])
+    assert activation_checkpointing_enabled(run, load_profile("zero2")) is True
+
+
+def test_run_keys_cover_every_per_run_value():
+    ds = build_ds_config(load_config(None, ["precision=fp16"]), load_profile("zero2"), 1, on_gpu=False)
+    assert set(RUN_KEYS) <= set(ds)
+    assert ds["fp16"]["enabled"] and ds["fp16"]["initial_scale_power"] == 16
