@@ -37,7 +37,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "tiny": {
         "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=2, max_position_embeddings=32, vocab_size=1000),
+                     num_attention_heads=2, max_position_embeddings=48, vocab_size=1000),
         "vision": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=2, image_size=64, patch_size=8),
     },
@@ -81,13 +81,15 @@ class ModelBundle:
         return sum(p.numel() for p in self.model.parameters())
 
 
-def preset_config(preset: str, vocab_size: int | None = None):
+def preset_config(preset: str, tokenizer=None):
+    """The preset's SiglipConfig; with a tokenizer, its vocabulary size and special ids."""
     from transformers import SiglipConfig
 
     spec = PRESETS[preset]
     text = dict(spec["text"])
-    if vocab_size is not None:
-        text["vocab_size"] = vocab_size
+    if tokenizer is not None:
+        text.update(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     return SiglipConfig(text_config=text, vision_config=dict(spec["vision"]))
 
 
@@ -118,7 +120,7 @@ def build_model(cfg: ModelConfig, seed: int) -> ModelBundle:
                           "`rsclip-ds train-tokenizer --shards DATA --out TOKDIR` and pass "
                           "--set model.tokenizer=TOKDIR (or set model.pretrained)")
     tokenizer = load_tokenizer(cfg.tokenizer)
-    config = preset_config(cfg.preset, vocab_size=len(tokenizer))
+    config = preset_config(cfg.preset, tokenizer)
     torch.manual_seed(seed)
     model = DualEncoder(SiglipModel(config))
     _init_logits(model, cfg.loss)

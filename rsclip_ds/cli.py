@@ -1,0 +1,218 @@
+"""`rsclip-ds` entry point: the only place that configures logging, starts process groups and
+tears them down. Under the `deepspeed` launcher: `deepspeed --num_gpus N --module rsclip_ds train ...`
+(the launcher appends `--local_rank=N`; we accept and ignore it, LOCAL_RANK is in the environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from rsclip_ds.config import ConfigError, RunConfig, describe, load_config
+
+log = logging.getLogger("rsclip_ds")
+
+
+def _strip_local_rank(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg.startswith("--local_rank=") or arg.startswith("--local-rank="):
+            continue
+        elif arg in ("--local_rank", "--local-rank"):
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def _configure_logging(rank: int) -> None:
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[%(asctime)s rank{rank}] %(message)s", datefmt="%H:%M:%S", force=True)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# --------------------------------------------------------------------------- train
+
+def _prepare(run: RunConfig):
+    """Everything that can fail without a process group: profile, batch, shards."""
+    from rsclip_ds.data import expand_urls
+    from rsclip_ds.distributed import accelerator_is_gpu, world_size_from_env
+    from rsclip_ds.profiles import build_ds_config, load_profile
+
+    profile = load_profile(run.profile)
+    ds_config = build_ds_config(run, profile, world_size_from_env(), on_gpu=accelerator_is_gpu())
+    if not run.data.train_shards:
+        raise ConfigError("data.train_shards is not set: point it at webdataset shards, e.g. "
+                          "--set data.train_shards='data/synthetic/train-{000000..000007}.tar' "
+                          "(make some with `rsclip-ds make-synthetic --out data/synthetic`)")
+    try:
+        expand_urls(run.data.train_shards)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return profile, ds_config
+
+
+def run_training(run: RunConfig) -> dict | None:
+    """Train; returns the summary on rank 0 (None elsewhere)."""
+    import torch
+
+    from rsclip_ds.data import build_train_loader
+    from rsclip_ds.distributed import destroy_distributed, init_distributed
+    from rsclip_ds.engine import build_engine
+    from rsclip_ds.losses import LOSSES
+    from rsclip_ds.model import apply_activation_checkpointing, build_model
+    from rsclip_ds.profiles import activation_checkpointing_enabled, derive_batch
+    from rsclip_ds.progress import ProgressReporter
+    from rsclip_ds.report import build_summary, print_summary, write_summary
+    from rsclip_ds.train import train
+
+    profile, ds_config = _prepare(run)
+    info = init_distributed()
+    try:
+        _configure_logging(info.rank)
+        plan = derive_batch(run, info.world_size)
+        bundle = build_model(run.model, run.seed)
+        ac = activation_checkpointing_enabled(run, profile)
+        if ac:
+            apply_activation_checkpointing(bundle.model)
+        if info.rank == 0:
+            _write_run_files(run, ds_config)
+            log.info("profile %s | precision %s | batch micro x accumulation x world = global: %s | "
+                     "%.2fM parameters", profile.name, run.precision, plan, bundle.num_parameters() / 1e6)
+        engine = build_engine(bundle.model, ds_config)
+        batches = iter(build_train_loader(
+            run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
+            image_mean=bundle.image_mean, image_std=bundle.image_std,
+            max_text_length=bundle.max_text_length, micro_batch_size=plan.micro,
+            rank=info.rank, world_size=info.world_size, seed=run.seed))
+        torch.manual_seed(run.seed + 1000 * info.rank)   # dropout / augmentation differ per rank
+        reporter = ProgressReporter(run.steps, run.logging.progress, enabled=info.rank == 0)
+        try:
+            result = train(engine, batches, LOSSES[run.model.loss], plan, run.steps,
+                           run.logging.log_every, reporter)
+        finally:
+            reporter.close()
+        if info.rank != 0:
+            return None
+        summary = build_summary(result, profile=profile, plan=plan, precision=run.precision,
+                                preset=run.model.preset, num_parameters=bundle.num_parameters(),
+                                activation_checkpointing=ac, loss=run.model.loss)
+        write_summary(summary, run.output_dir)
+        print_summary(summary)
+        return summary
+    finally:
+        destroy_distributed()
+
+
+def _write_run_files(run: RunConfig, ds_config: dict) -> None:
+    out = Path(run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(run.model_dump_json(indent=2))
+    (out / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
+
+
+# --------------------------------------------------------------------------- other commands
+
+def cmd_make_synthetic(args) -> int:
+    from rsclip_ds.synthetic import make_synthetic
+
+    info = make_synthetic(args.out, num_train=args.num_train, num_val=args.num_val,
+                          shard_size=args.shard_size, image_size=args.image_size, seed=args.seed)
+    print(json.dumps({k: v for k, v in info.items() if k not in ("train", "val")}, indent=2))
+    return 0
+
+
+def cmd_train_tokenizer(args) -> int:
+    from rsclip_ds.data import expand_urls
+    from rsclip_ds.tokenizer import iter_captions, train_tokenizer
+
+    tok = train_tokenizer(iter_captions(expand_urls(args.shards), args.caption_key), args.out,
+                          vocab_size=args.vocab_size, max_length=args.max_length)
+    print(f"tokenizer with {len(tok)} tokens written to {args.out}")
+    return 0
+
+
+def cmd_show_config(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    run = load_config(args.config, args.set)
+    resolved = json.loads(run.model_dump_json())
+    table = Table(title="run config (defaults < file < --set)")
+    for col in ("key", "value", "description"):
+        table.add_column(col)
+    for key, _default, desc in describe():
+        value = resolved
+        for part in key.split("."):
+            value = value[part]
+        table.add_row(key, json.dumps(value), desc)
+    Console().print(table)
+    return 0
+
+
+def cmd_profiles(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from rsclip_ds.profiles import available_profiles, load_profile
+
+    table = Table(title="ds_profiles")
+    for col in ("profile", "stage", "offload", "act. ckpt", "what it is for"):
+        table.add_column(col)
+    for name in available_profiles():
+        p = load_profile(name)
+        offload = "+".join(k for k, on in (("opt", p.offload_optimizer), ("param", p.offload_param)) if on)
+        table.add_row(name, str(p.stage), offload or "-", "on" if p.activation_checkpointing else "off",
+                      p.description)
+    Console().print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rsclip-ds", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p):
+        p.add_argument("--config", help="YAML or JSON run config")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key, e.g. --set batch.micro_batch_size=8 (repeatable)")
+        return p
+
+    with_config(sub.add_parser("train", help="train (under the deepspeed launcher or alone)"))
+    with_config(sub.add_parser("show-config", help="print the resolved config with every key's description"))
+    sub.add_parser("profiles", help="list ds_profiles/")
+    p = sub.add_parser("make-synthetic", help="write synthetic remote-sensing image-caption shards")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--num-train", type=int, default=4096)
+    p.add_argument("--num-val", type=int, default=512)
+    p.add_argument("--shard-size", type=int, default=512)
+    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("train-tokenizer", help="train a tokenizer on the captions of shards")
+    p.add_argument("--shards", required=True, help="brace pattern / glob / list file of shards")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--vocab-size", type=int, default=1000)
+    p.add_argument("--max-length", type=int, default=64)
+    p.add_argument("--caption-key", default="txt")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(_strip_local_rank(sys.argv[1:] if argv is None else argv))
+    try:
+        if args.command == "train":
+            run_training(load_config(args.config, args.set))
+            return 0
+        handlers = {"make-synthetic": cmd_make_synthetic, "train-tokenizer": cmd_train_tokenizer,
+                    "show-config": cmd_show_config, "profiles": cmd_profiles}
+        return handlers[args.command](args)
+    except ConfigError as err:
+        print(f"rsclip-ds: error: {err}", file=sys.stderr)
+        return 2

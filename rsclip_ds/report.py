@@ -1,0 +1,64 @@
+"""The end-of-run summary: one dict (written as summary.json) and a rich table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rsclip_ds.profiles import BatchPlan, Profile
+from rsclip_ds.train import TrainResult
+
+
+def _window_mean(values: list[float], head: bool, n: int = 5) -> float:
+    window = values[:n] if head else values[-n:]
+    return sum(window) / max(1, len(window))
+
+
+def build_summary(result: TrainResult, *, profile: Profile, plan: BatchPlan, precision: str,
+                  preset: str, num_parameters: int, activation_checkpointing: bool,
+                  loss: str) -> dict[str, Any]:
+    return {
+        "profile": profile.name, "zero_stage": profile.stage,
+        "offload_optimizer": profile.offload_optimizer, "offload_param": profile.offload_param,
+        "activation_checkpointing": activation_checkpointing, "precision": precision,
+        "model": preset, "parameters": num_parameters, "loss": loss,
+        "micro_batch": plan.micro, "accumulation": plan.accumulation, "world_size": plan.world,
+        "global_batch": plan.global_batch, "batch_arithmetic": str(plan),
+        "loss_start": _window_mean(result.losses, head=True),
+        "loss_end": _window_mean(result.losses, head=False),
+        **result.to_dict(),
+    }
+
+
+def write_summary(summary: dict[str, Any], out_dir: Path) -> Path:
+    path = Path(out_dir) / "summary.json"
+    path.write_text(json.dumps(summary, indent=2))
+    return path
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    s = summary
+    table = Table(title="rsclip_ds run summary", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    offload = "+".join(k for k in ("optimizer", "param") if s[f"offload_{k}"]) or "none"
+    rows = [
+        ("profile", f"{s['profile']} (ZeRO-{s['zero_stage']}, offload: {offload}, "
+                    f"activation checkpointing: {'on' if s['activation_checkpointing'] else 'off'})"),
+        ("model", f"{s['model']} ({s['parameters'] / 1e6:.2f}M parameters, {s['loss']} loss)"),
+        ("precision", s["precision"]),
+        ("batch", f"micro x accumulation x world = global: {s['batch_arithmetic']}"),
+        ("steps", f"{s['optimizer_steps']} optimizer steps, {s['micro_steps']} micro-steps"
+                  + (f", {s['skipped_steps']} skipped (fp16 overflow)" if s["skipped_steps"] else "")),
+        ("throughput", f"{s['samples_per_s']:.1f} samples/s (global, after step 1); {s['seconds']:.1f} s total"),
+        ("loss", f"{s['loss_start']:.4f} -> {s['loss_end']:.4f} (mean of first / last 5 steps)"),
+    ]
+    if s.get("loss_scale") is not None:
+        rows.append(("fp16 loss scale", f"{s['loss_scale']:g}"))
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)

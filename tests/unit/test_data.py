@@ -1,0 +1,144 @@
+"""Streaming loader: url specs, shard split across ranks/workers, batches, determinism."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+import torch
+
+from rsclip_ds.config import DataConfig
+from rsclip_ds.data import build_train_loader, expand_urls, shards_for_epoch
+
+B = 8  # micro-batch; tiny_shards has 8 train shards of 8 samples
+
+
+def _loader(index, *, rank=0, world_size=1, seed=0, mean=(0.5,) * 3, std=(0.5,) * 3, flip=True, **data):
+    cfg = DataConfig(**{"train_shards": index["train_pattern"], "num_workers": 0, "shuffle_buffer": 16,
+                        **data})
+    return build_train_loader(cfg, tokenizer=index["tokenizer"], image_size=16, image_mean=mean,
+                              image_std=std, max_text_length=40, micro_batch_size=B, rank=rank,
+                              world_size=world_size, seed=seed, return_keys=True, flip=flip)
+
+
+def _take(loader, n):
+    return list(itertools.islice(iter(loader), n))
+
+
+def _keys(batches):
+    return [k for b in batches for k in b["keys"]]
+
+
+@pytest.fixture
+def index(tiny_shards, tiny_tokenizer):
+    return {**tiny_shards, "tokenizer": tiny_tokenizer}
+
+
+# --------------------------------------------------------------------------- expand_urls
+
+def test_expand_urls_brace_glob_list_and_pipe(tmp_path):
+    (tmp_path / "sub").mkdir()
+    for name in ("t-0.tar", "t-1.tar", "t-2.tar", "sub/v-0.tar", "sub/v-1.tar"):
+        (tmp_path / name).write_bytes(b"")  # expand_urls only checks that local files exist
+    listing = tmp_path / "sub" / "shards.txt"
+    listing.write_text("# relative to this file\nv-1.tar\n\nv-*.tar  # globs work too\npipe:cat y.tar\n")
+    urls = expand_urls(f"{tmp_path}/t-{{0..1}}.tar::{tmp_path}/sub/v-*.tar::{listing}::pipe:cat x.tar")
+    sub = tmp_path / "sub"
+    assert urls == [f"{tmp_path}/t-0.tar", f"{tmp_path}/t-1.tar", f"{sub}/v-0.tar", f"{sub}/v-1.tar",
+                    f"{sub}/v-1.tar", f"{sub}/v-0.tar", f"{sub}/v-1.tar", "pipe:cat y.tar",
+                    "pipe:cat x.tar"]
+
+
+def test_expand_urls_checks_list_entries(tmp_path):
+    (tmp_path / "list.txt").write_text("missing.tar\n")
+    with pytest.raises(ValueError, match="missing.tar"):
+        expand_urls(str(tmp_path / "list.txt"))
+
+
+@pytest.mark.parametrize("spec", ["missing-{0..1}.tar", "nothing-*.tar", "gone.txt", "::"])
+def test_expand_urls_errors_name_the_spec(tmp_path, spec):
+    full = spec if spec == "::" else str(tmp_path / spec)
+    with pytest.raises(ValueError, match="train_shards"):
+        expand_urls(full)
+
+
+# --------------------------------------------------------------------------- shard assignment
+
+def test_shards_for_epoch_partition_every_epoch():
+    urls = [f"s{i}.tar" for i in range(11)]
+    orders = []
+    for epoch in range(4):
+        parts = [shards_for_epoch(urls, epoch, seed=5, rank=r, world_size=2, worker=w, num_workers=2)
+                 for r in range(2) for w in range(2)]
+        flat = [u for p in parts for u in p]
+        assert sorted(flat) == sorted(urls)  # disjoint and covering
+        orders.append(flat)
+    assert len({tuple(o) for o in orders}) == 4  # reshuffled every epoch
+
+
+def test_fewer_shards_than_ranks_is_an_error(index):
+    with pytest.raises(ValueError, match=r"8 training shard\(s\) cannot feed 9 ranks.*--shard-size"):
+        _loader(index, rank=0, world_size=9)
+
+
+def test_workers_are_clamped_to_the_shards_of_the_rank(index, caplog):
+    spec = f"{index['dir']}/train-{{000000..000002}}.tar"  # 3 shards over 2 ranks: 2 and 1
+    with caplog.at_level(logging.WARNING, logger="rsclip_ds.data"):
+        loaders = [_loader(index, rank=r, world_size=2, train_shards=spec, num_workers=4) for r in (0, 1)]
+    assert [ld.pipeline[0].num_workers for ld in loaders] == [2, 1]
+    assert "rank 0 has 2 shard(s) for data.num_workers=4; using 2" in caplog.text
+    assert _loader(index, num_workers=2).pipeline[0].num_workers == 2  # enough shards: unchanged
+
+
+# --------------------------------------------------------------------------- batches
+
+def test_batches_have_shapes_dtypes_and_normalisation(index):
+    raw = _take(_loader(index, mean=(0.0,) * 3, std=(1.0,) * 3), 3)
+    norm = _take(_loader(index, mean=(0.5,) * 3, std=(0.25,) * 3), 3)
+    for r, n in zip(raw, norm):
+        assert r["pixel_values"].shape == (B, 3, 16, 16) and r["pixel_values"].dtype == torch.float32
+        assert r["input_ids"].shape == (B, 40) and r["input_ids"].dtype == torch.int64
+        assert 0.0 <= r["pixel_values"].min() and r["pixel_values"].max() <= 1.0
+        assert r["pixel_values"].std() > 0.05  # not blank
+        torch.testing.assert_close(n["pixel_values"], (r["pixel_values"] - 0.5) / 0.25)
+        assert (r["input_ids"] == index["tokenizer"].eos_token_id).sum(1).eq(1).all()
+
+
+def test_same_seed_same_batches_other_seed_differs(index):
+    a, b = _take(_loader(index), 12), _take(_loader(index), 12)  # 12 batches > 1 epoch of 8
+    for x, y in zip(a, b):
+        assert x["keys"] == y["keys"]
+        assert torch.equal(x["pixel_values"], y["pixel_values"])
+        assert torch.equal(x["input_ids"], y["input_ids"])
+    assert _keys(_take(_loader(index, seed=1), 12)) != _keys(a)
+
+
+def test_flip_is_seeded(index):
+    plain = {k: p for b in _take(_loader(index, flip=False, shuffle_buffer=0), 8)
+             for k, p in zip(b["keys"], b["pixel_values"])}
+    flipped = [torch.equal(p, plain[k].flip(-1)) and not torch.equal(p, plain[k])
+               for b in _take(_loader(index, shuffle_buffer=0), 8)
+               for k, p in zip(b["keys"], b["pixel_values"])]
+    assert 0.2 < sum(flipped) / len(flipped) < 0.8
+
+
+def test_two_ranks_see_disjoint_halves_each_epoch(index):
+    # shuffle_buffer=0 keeps epochs apart, so each rank's first 32 samples are exactly its epoch 0
+    seen = [_keys(_take(_loader(index, rank=r, world_size=2, shuffle_buffer=0), 4)) for r in (0, 1)]
+    assert len(set(seen[0])) == len(seen[0]) == 32 == len(set(seen[1]))
+    assert not set(seen[0]) & set(seen[1])
+    assert set(seen[0]) | set(seen[1]) == {f"train_{i:07d}" for i in range(64)}
+
+
+def test_two_workers_split_the_shards_deterministically(index, monkeypatch):
+    # the session tokenizer was trained with rayon threads; say so before forking workers
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    runs = [_keys(_take(_loader(index, num_workers=2, shuffle_buffer=0), 8)) for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert sorted(runs[0]) == [f"train_{i:07d}" for i in range(64)]  # one epoch, no repeats
+
+
+def test_wrong_member_key_names_the_setting(index):
+    with pytest.raises(ValueError, match="data.image_key"):
+        _take(_loader(index, image_key="png"), 1)
