@@ -9,7 +9,7 @@ if [ ! -f "$DATA/index.json" ]; then
   rsclip-ds make-synthetic --out "$DATA" --num-train 4096 --num-val 512 --shard-size 512 --image-size 64
 fi
 if [ ! -f "$DATA/tokenizer/tokenizer.json" ]; then
-  rsclip-ds train-tokenizer --shards "$DATA/train-{000000..000007}.tar" --out "$DATA/tokenizer" --vocab-size 1000 --max-length 32
+  rsclip-ds train-tokenizer --shards "$DATA/train-{000000..000007}.tar" --out "$DATA/tokenizer" --vocab-size 1000 --max-length 64
 fi
 NGPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPUS" -ge 1 ]; then

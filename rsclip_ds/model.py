@@ -153,10 +153,14 @@ def _bundle(model: DualEncoder, tokenizer, cfg: ModelConfig, mean, std) -> Model
 
 
 def apply_activation_checkpointing(model: DualEncoder) -> None:
-    """Recompute every encoder layer of both towers in backward (non-reentrant: works with
-    ZeRO-3's parameter hooks and with inputs that do not require grad)."""
+    """Recompute every encoder layer of both towers in backward.
+
+    Reentrant checkpointing, on purpose: with the non-reentrant form, ZeRO-3's parameter-fetch
+    trace breaks at the end of backward ("tracing error ... expected the next 2 parameters ...
+    logit_bias, logit_scale", deepspeed 0.19.8). Reentrant needs the layer inputs to require
+    grad, which they do here: both come out of trainable embeddings."""
     for tower in (model.vision_model, model.text_model):
-        tower.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        tower.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
 
 
 def save_pretrained(model: DualEncoder, tokenizer, out_dir: Path, mean=IMAGE_MEAN, std=IMAGE_STD) -> None:

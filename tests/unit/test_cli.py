@@ -1,0 +1,51 @@
+"""The CLI fails before any process group starts, with the key and the fix in the message."""
+
+import json
+
+import pytest
+
+from rsclip_ds.cli import _strip_local_rank, main
+
+
+def test_launcher_local_rank_is_accepted_anywhere():
+    assert _strip_local_rank(["--local_rank=1", "train", "--set", "a=1"]) == ["train", "--set", "a=1"]
+    assert _strip_local_rank(["train", "--local_rank", "0", "--config", "x"]) == ["train", "--config", "x"]
+
+
+@pytest.mark.parametrize("sets, fragment", [
+    (["bogus=1"], "bogus: unknown key"),
+    (["profile=zero9"], "unknown profile 'zero9'; available: zero1, zero2"),
+    (["data.train_shards=/nonexistent/shard-{0..3}.tar"], "matches no file"),
+    ([], "data.train_shards is not set"),
+])
+def test_train_rejects_bad_input_before_starting(sets, fragment, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    argv = ["train"] + [a for s in sets for a in ("--set", s)]
+    assert main(argv) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_inconsistent_batch_in_a_profile_is_reported(tmp_path, capsys):
+    profile = tmp_path / "mine.json"
+    profile.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 4}))
+    assert main(["train", "--set", f"profile={profile}", "--set", "batch.gradient_accumulation_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert "gradient_accumulation_steps=4" in err and "batch.gradient_accumulation_steps" in err
+
+
+def test_make_synthetic_and_train_tokenizer_commands(tmp_path, capsys):
+    assert main(["make-synthetic", "--out", str(tmp_path / "d"), "--num-train", "32", "--num-val", "8",
+                 "--shard-size", "16", "--image-size", "32"]) == 0
+    assert sorted(p.name for p in (tmp_path / "d").glob("*.tar")) == [
+        "train-000000.tar", "train-000001.tar", "val-000000.tar"]
+    assert main(["train-tokenizer", "--shards", str(tmp_path / "d" / "train-{000000..000001}.tar"),
+                 "--out", str(tmp_path / "tok"), "--vocab-size", "200"]) == 0
+    assert (tmp_path / "tok" / "tokenizer.json").is_file()
+
+
+def test_show_config_and_profiles_print_tables(capsys):
+    assert main(["show-config", "--set", "steps=77"]) == 0
+    out = capsys.readouterr().out
+    assert "batch.micro_batch_size" in out and "77" in out
+    assert main(["profiles"]) == 0
+    assert "zero3_offload" in capsys.readouterr().out
