@@ -66,7 +66,7 @@ def run_training(run: RunConfig) -> dict | None:
     from rsclip_ds.data import build_train_loader
     from rsclip_ds.distributed import destroy_distributed, init_distributed
     from rsclip_ds.engine import build_engine
-    from rsclip_ds.losses import LOSSES
+    from rsclip_ds.losses import build_loss
     from rsclip_ds.model import apply_activation_checkpointing, build_model
     from rsclip_ds.profiles import activation_checkpointing_enabled, derive_batch
     from rsclip_ds.progress import ProgressReporter
@@ -78,7 +78,7 @@ def run_training(run: RunConfig) -> dict | None:
     try:
         _configure_logging(info.rank)
         plan = derive_batch(run, info.world_size)
-        bundle = build_model(run.model, run.seed)
+        bundle = build_model(run.model, run.seed, loss=run.loss.name)
         ac = activation_checkpointing_enabled(run, profile)
         if ac:
             apply_activation_checkpointing(bundle.model)
@@ -95,15 +95,18 @@ def run_training(run: RunConfig) -> dict | None:
         torch.manual_seed(run.seed + 1000 * info.rank)   # dropout / augmentation differ per rank
         reporter = ProgressReporter(run.steps, run.logging.progress, enabled=info.rank == 0)
         try:
-            result = train(engine, batches, LOSSES[run.model.loss], plan, run.steps,
-                           run.logging.log_every, reporter)
+            loss_fn = build_loss(run.loss.name, negatives=run.loss.negatives, rank=info.rank,
+                                 world_size=info.world_size, chunk_size=run.loss.chunk_size)
+            result = train(engine, batches, loss_fn, plan, run.steps, run.logging.log_every,
+                           reporter, accumulation=run.batch.accumulation)
         finally:
             reporter.close()
         if info.rank != 0:
             return None
         summary = build_summary(result, profile=profile, plan=plan, precision=run.precision,
                                 preset=run.model.preset, num_parameters=bundle.num_parameters(),
-                                activation_checkpointing=ac, loss=run.model.loss)
+                                activation_checkpointing=ac, loss=run.loss.name,
+                                negatives=run.loss.negatives, accumulation=run.batch.accumulation)
         write_summary(summary, run.output_dir)
         print_summary(summary)
         return summary

@@ -33,12 +33,21 @@ class ModelConfig(_Strict):
     tokenizer: Optional[Path] = Field(
         None, description="Tokenizer folder (from `rsclip-ds train-tokenizer`); defaults to the "
         "`pretrained` folder. Required for from-scratch runs.")
-    loss: Literal["siglip", "clip"] = Field(
-        "siglip", description="Contrastive loss: 'siglip' (pairwise sigmoid, learnable temperature "
-        "and bias) or 'clip' (softmax InfoNCE, learnable temperature).")
     activation_checkpointing: Optional[bool] = Field(
         None, description="Recompute tower activations in backward to save memory. null: as the "
         "profile's `rsclip.activation_checkpointing` says.")
+
+
+class LossConfig(_Strict):
+    name: Literal["siglip", "clip"] = Field(
+        "siglip", description="Contrastive loss: 'siglip' (pairwise sigmoid, learnable temperature "
+        "and bias) or 'clip' (softmax InfoNCE, learnable temperature).")
+    negatives: Literal["global", "local"] = Field(
+        "global", description="'global': every sample of the global batch is a negative (features "
+        "gathered / ring-exchanged across ranks); 'local': each rank's loss sees its own "
+        "micro-batch only (what the Hugging Face Trainer does).")
+    chunk_size: int = Field(0, ge=0, description="siglip only: image rows per logits chunk, "
+                            "recomputed in backward to bound peak memory (0: no chunking).")
 
 
 class DataConfig(_Strict):
@@ -57,6 +66,11 @@ class BatchConfig(_Strict):
     gradient_accumulation_steps: int = Field(
         1, ge=1, description="Micro-batches per optimizer step. The global batch is "
         "micro_batch_size x gradient_accumulation_steps x world size.")
+    accumulation: Literal["plain", "global"] = Field(
+        "global", description="'global': the loss sees all accumulated samples as one batch "
+        "(features cached without a graph, then each micro-batch re-run with one; costs one extra "
+        "forward). 'plain': DeepSpeed's accumulation, each micro-batch's loss sees micro x world "
+        "samples. Same thing when gradient_accumulation_steps is 1.")
 
 
 class OptimConfig(_Strict):
@@ -99,6 +113,7 @@ class RunConfig(_Strict):
     seed: int = Field(0, description="Seed for model init, data order and dropout.")
     output_dir: Path = Field(Path("runs/default"), description="Where the run writes its summary and logs.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The dual encoder.")
+    loss: LossConfig = Field(default_factory=LossConfig, description="The contrastive loss.")
     data: DataConfig = Field(default_factory=DataConfig, description="Training data.")
     batch: BatchConfig = Field(default_factory=BatchConfig, description="Batch arithmetic.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")

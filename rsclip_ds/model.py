@@ -109,25 +109,33 @@ def _init_logits(model: DualEncoder, loss: str) -> None:
         model.logit_bias.fill_(bias)
 
 
-def build_model(cfg: ModelConfig, seed: int) -> ModelBundle:
-    """From a preset (random init, seeded) or from a local Hugging Face folder."""
-    from transformers import SiglipModel
-
+def build_model(cfg: ModelConfig, seed: int, loss: str = "siglip") -> ModelBundle:
+    """From a preset (random init, seeded) or from a local Hugging Face folder; `loss` picks the
+    logit scale/bias initialisation (and freezes the bias for 'clip')."""
     if cfg.pretrained is not None:
-        return _load_pretrained(cfg)
+        return _load_pretrained(cfg, loss)
     if cfg.tokenizer is None:
         raise ConfigError("model.tokenizer is required for a from-scratch run: train one with "
                           "`rsclip-ds train-tokenizer --shards DATA --out TOKDIR` and pass "
                           "--set model.tokenizer=TOKDIR (or set model.pretrained)")
     tokenizer = load_tokenizer(cfg.tokenizer)
-    config = preset_config(cfg.preset, tokenizer)
+    model = new_dual_encoder(preset_config(cfg.preset, tokenizer), loss, seed)
+    return _bundle(model, tokenizer, loss, IMAGE_MEAN, IMAGE_STD)
+
+
+def new_dual_encoder(config, loss: str = "siglip", seed: int = 0) -> DualEncoder:
+    """A randomly initialised (seeded) DualEncoder from a SiglipConfig."""
+    from transformers import SiglipModel
+
     torch.manual_seed(seed)
     model = DualEncoder(SiglipModel(config))
-    _init_logits(model, cfg.loss)
-    return _bundle(model, tokenizer, cfg, IMAGE_MEAN, IMAGE_STD)
+    _init_logits(model, loss)
+    if loss == "clip":
+        model.logit_bias.requires_grad_(False)
+    return model
 
 
-def _load_pretrained(cfg: ModelConfig) -> ModelBundle:
+def _load_pretrained(cfg: ModelConfig, loss: str) -> ModelBundle:
     from transformers import SiglipImageProcessorPil, SiglipModel
 
     folder = Path(cfg.pretrained)
@@ -140,13 +148,13 @@ def _load_pretrained(cfg: ModelConfig) -> ModelBundle:
     if (folder / "preprocessor_config.json").is_file():
         proc = SiglipImageProcessorPil.from_pretrained(str(folder))
         mean, std = tuple(proc.image_mean), tuple(proc.image_std)
-    if cfg.loss == "clip":
+    if loss == "clip":
         _init_logits(model, "clip")   # a SigLIP checkpoint's scale/bias mean nothing to softmax
-    return _bundle(model, tokenizer, cfg, mean, std)
+    return _bundle(model, tokenizer, loss, mean, std)
 
 
-def _bundle(model: DualEncoder, tokenizer, cfg: ModelConfig, mean, std) -> ModelBundle:
-    if cfg.loss == "clip":
+def _bundle(model: DualEncoder, tokenizer, loss: str, mean, std) -> ModelBundle:
+    if loss == "clip":
         model.logit_bias.requires_grad_(False)   # softmax is shift-invariant: no gradient
     vc, tc = model.config.vision_config, model.config.text_config
     return ModelBundle(model, tokenizer, vc.image_size, tuple(mean), tuple(std), tc.max_position_embeddings)

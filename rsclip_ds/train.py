@@ -14,15 +14,72 @@ from rsclip_ds.profiles import BatchPlan
 from rsclip_ds.progress import ProgressReporter
 
 
-def train_step(engine, batch: dict, loss_fn: Callable, dtype: torch.dtype) -> torch.Tensor:
-    """One micro-batch: forward, loss, backward; engine.step() updates only at the
-    accumulation boundary (and engine.backward divides the loss by the accumulation steps)."""
+def _inputs(engine, batch: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     pixel_values = batch["pixel_values"].to(engine.device, dtype, non_blocking=True)   # (B,3,H,W)
     input_ids = batch["input_ids"].to(engine.device, non_blocking=True)                # (B,L)
-    image, text, logit_scale, logit_bias = engine(pixel_values, input_ids)             # (B,D) x2
+    return pixel_values, input_ids
+
+
+def train_step(engine, batch: dict, loss_fn: Callable, dtype: torch.dtype) -> torch.Tensor:
+    """One micro-batch ('plain' accumulation): forward, loss, backward; engine.step() updates
+    only at the accumulation boundary (engine.backward divides the loss by the accumulation
+    steps). The loss sees micro x world samples."""
+    image, text, logit_scale, logit_bias = engine(*_inputs(engine, batch, dtype))     # (B,D) x2
     loss = loss_fn(image, text, logit_scale, logit_bias)
     engine.backward(loss)
     engine.step()
+    return loss.detach()
+
+
+def _rng_state():
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def train_step_global(engine, batches: list[dict], loss_fn: Callable, dtype: torch.dtype) -> torch.Tensor:
+    """k micro-batches as one batch of k x micro x world samples ('global' accumulation, the
+    GradCache scheme of Gao et al. 2021):
+      1. embed every micro-batch without a graph (saving the RNG state before each);
+      2. loss over all cached embeddings, backward to get d loss / d embedding (and d scale/bias);
+      3. re-run each micro-batch with a graph under the same RNG state and back-propagate
+         embedding . gradient through engine.backward, stepping at the boundary.
+    Peak activation memory stays that of one micro-batch; the cost is one extra forward."""
+    inputs = [_inputs(engine, b, dtype) for b in batches]
+    states, images, texts = [], [], []
+    with torch.no_grad():
+        for pixel_values, input_ids in inputs:
+            states.append(_rng_state())
+            image, text, logit_scale, logit_bias = engine(pixel_values, input_ids)
+            images.append(image.float())
+            texts.append(text.float())
+    image = torch.cat(images).requires_grad_()                                  # (k*B, D)
+    text = torch.cat(texts).requires_grad_()
+    # Trainability from the module: under ZeRO-3 the outputs of a no-grad forward are
+    # detached copies that say requires_grad=False even for trainable parameters.
+    module = engine.module
+    scale = logit_scale.detach().float().requires_grad_(module.logit_scale.requires_grad)
+    bias = logit_bias.detach().float().requires_grad_(module.logit_bias.requires_grad)
+    loss = loss_fn(image, text, scale, bias)
+    loss.backward()   # includes the cross-rank exchange: features of all ranks get their gradient
+    sizes = [len(i) for i in images]
+    grad_image, grad_text = image.grad.split(sizes), text.grad.split(sizes)
+    for i, (pixel_values, input_ids) in enumerate(inputs):
+        _set_rng_state(states[i])   # same dropout masks as in the cached pass
+        image_i, text_i, logit_scale, logit_bias = engine(pixel_values, input_ids)
+        surrogate = (image_i.float() * grad_image[i]).sum() + (text_i.float() * grad_text[i]).sum()
+        if i == 0:   # the scale/bias gradient is the whole batch's: add it once
+            for param, leaf in ((logit_scale, scale), (logit_bias, bias)):
+                if leaf.grad is not None:
+                    surrogate = surrogate + (param.float() * leaf.grad).sum()
+        # the surrogate's gradient already is the full batch's: no division by the k steps
+        engine.backward(surrogate, scale_wrt_gas=False)
+        engine.step()
     return loss.detach()
 
 
@@ -50,15 +107,23 @@ def _mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
     return values.cpu()
 
 
+def optimizer_step(engine, batches: Iterator[dict], loss_fn: Callable, plan: BatchPlan,
+                   accumulation: str, dtype: torch.dtype) -> torch.Tensor:
+    """One optimizer step over `plan.accumulation` micro-batches -> the step's loss."""
+    micro = [next(batches) for _ in range(plan.accumulation)]
+    if accumulation == "global" and plan.accumulation > 1:
+        return train_step_global(engine, micro, loss_fn, dtype)
+    return torch.stack([train_step(engine, b, loss_fn, dtype) for b in micro]).mean()
+
+
 def train(engine, batches: Iterator[dict], loss_fn: Callable, plan: BatchPlan, steps: int,
-          log_every: int, reporter: ProgressReporter) -> TrainResult:
+          log_every: int, reporter: ProgressReporter, accumulation: str = "plain") -> TrainResult:
     result, pending = TrainResult(), []
     dtype = engine_dtype(engine)
     t_start = t_first = time.perf_counter()
     for step in range(1, steps + 1):
         result.lrs.append(float(engine.get_lr()[0]))
-        micro_losses = [train_step(engine, next(batches), loss_fn, dtype) for _ in range(plan.accumulation)]
-        pending.append(torch.stack(micro_losses).mean())
+        pending.append(optimizer_step(engine, batches, loss_fn, plan, accumulation, dtype))
         if step == 1:
             t_first = time.perf_counter()   # excludes lazy init / first-call overheads
         if step % log_every == 0 or step == steps:

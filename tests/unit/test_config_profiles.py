@@ -21,7 +21,7 @@ def test_precedence_defaults_file_then_set(tmp_path):
 
 
 @pytest.mark.parametrize("override, fragment", [
-    ("model.presett=tiny", "model.presett: unknown key; allowed here: activation_checkpointing, loss, preset"),
+    ("model.presett=tiny", "model.presett: unknown key; allowed here: activation_checkpointing, preset, pretrained"),
     ("precision=fp8", "precision: Input should be 'fp32', 'bf16' or 'fp16'"),
     ("batch.micro_batch_size=0", "batch.micro_batch_size"),
     ("optim.lr_scaling=cubic", "optim.lr_scaling"),
@@ -36,8 +36,8 @@ def test_bad_config_names_the_key_and_what_is_allowed(override, fragment):
 
 def test_json_config_and_missing_file(tmp_path):
     path = tmp_path / "run.json"
-    path.write_text(json.dumps({"profile": "zero3", "model": {"loss": "clip"}}))
-    assert load_config(path).model.loss == "clip"
+    path.write_text(json.dumps({"profile": "zero3", "loss": {"name": "clip"}}))
+    assert load_config(path).loss.name == "clip"
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")
 

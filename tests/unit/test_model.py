@@ -39,7 +39,7 @@ def test_same_seed_same_weights_and_clip_freezes_bias(tok_dir):
     a = build_model(ModelConfig(tokenizer=tok_dir), seed=1).model
     b = build_model(ModelConfig(tokenizer=tok_dir), seed=1).model
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
-    clip = build_model(ModelConfig(tokenizer=tok_dir, loss="clip"), seed=1).model
+    clip = build_model(ModelConfig(tokenizer=tok_dir), seed=1, loss="clip").model
     assert clip.logit_scale.item() == pytest.approx(math.log(1 / 0.07))
     assert not clip.logit_bias.requires_grad
 

@@ -1,0 +1,123 @@
+"""Run under the deepspeed launcher: distributed losses and 'global' accumulation against a
+single-process reference on the concatenated batch.
+
+    deepspeed --num_gpus W tests/integration/parity_worker.py --stage S --out result.json
+
+The engine gets a client SGD optimizer with lr=1 and no clipping, so the parameter update *is*
+minus the (rank-averaged) gradient: comparing updates compares the gradient of every parameter,
+on any ZeRO stage, without reaching into DeepSpeed's partitions. Rank 0 computes the reference
+with plain torch on the whole batch and writes the worst differences to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from rsclip_ds.losses import LOSSES, build_loss
+from rsclip_ds.model import new_dual_encoder, preset_config
+from rsclip_ds.train import train_step, train_step_global
+
+MICRO = 4          # samples per rank per micro-batch
+SEED = 0
+
+
+def global_batch(n: int, config) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    size, length = config.vision_config.image_size, config.text_config.max_position_embeddings
+    pixels = torch.randn(n, 3, size, size, generator=g)                        # (N,3,H,W)
+    ids = torch.randint(0, config.text_config.vocab_size, (n, length), generator=g)
+    return pixels, ids
+
+
+def engine_for(config, loss: str, stage: int, world: int, accumulation: int):
+    model = new_dual_encoder(config, loss, SEED)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": accumulation,
+        "train_batch_size": MICRO * accumulation * world, "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": False}, "fp16": {"enabled": False}, "steps_per_print": 10**9,
+    }
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(params, lr=1.0),
+                                      config=ds_config)
+    return engine
+
+
+def full_params(engine) -> list[torch.Tensor]:
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=hasattr(params[0], "ds_id")):
+        return [p.detach().clone().float() for p in params]
+
+
+def reference_grads(config, loss: str, pixels, ids) -> tuple[float, list[torch.Tensor]]:
+    model = new_dual_encoder(config, loss, SEED)
+    out = model(pixels, ids)
+    value = LOSSES[loss](*out)
+    value.backward()
+    return value.item(), [torch.zeros_like(p) if p.grad is None else p.grad for p in model.parameters()]
+
+
+def distributed_update(config, loss: str, stage: int, rank: int, world: int, k: int,
+                       mode: str, negatives: str) -> tuple[float, list[torch.Tensor]]:
+    """One optimizer step of k micro-batches per rank -> (mean loss over ranks, -update)."""
+    pixels, ids = global_batch(MICRO * k * world, config)
+    mine = slice(rank * MICRO * k, (rank + 1) * MICRO * k)   # this rank's k micro-batches
+    batches = [{"pixel_values": p, "input_ids": i}
+               for p, i in zip(pixels[mine].split(MICRO), ids[mine].split(MICRO))]
+    engine = engine_for(config, loss, stage, world, k)
+    before = full_params(engine)
+    loss_fn = build_loss(loss, negatives=negatives, rank=rank, world_size=world)
+    if mode == "global" and k > 1:
+        value = train_step_global(engine, batches, loss_fn, torch.float32)
+    else:
+        value = torch.stack([train_step(engine, b, loss_fn, torch.float32) for b in batches]).mean()
+    after = full_params(engine)
+    dist.all_reduce(value)
+    return value.item() / world, [b - a for b, a in zip(before, after)]
+
+
+def worst(got: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, float, float]:
+    """(max abs error, max abs reference gradient, projection ratio <got, ref> / <ref, ref>)."""
+    err = max((g - r).abs().max().item() for g, r in zip(got, ref))
+    scale = max(r.abs().max().item() for r in ref)
+    ratio = sum((g * r).sum() for g, r in zip(got, ref)) / sum((r * r).sum() for r in ref)
+    return err, scale, float(ratio)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stage", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--local_rank", type=int, default=0)
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = preset_config("tiny")
+    cases = [  # (name, loss, k, accumulation mode, negatives, expected to match the big batch)
+        (f"{loss}/{neg}/{mode}/k{k}", loss, k, mode, neg, neg == "global" and (mode == "global" or k == 1))
+        for loss in ("siglip", "clip")
+        for (k, mode, neg) in ((1, "plain", "global"), (2, "global", "global"), (3, "global", "global"),
+                               (1, "plain", "local"), (2, "plain", "global"))
+    ]
+    results = {}
+    for name, loss, k, mode, neg, should_match in cases:
+        value, update = distributed_update(config, loss, args.stage, rank, world, k, mode, neg)
+        if rank == 0:
+            ref_value, ref = reference_grads(config, loss, *global_batch(MICRO * k * world, config))
+            err, scale, ratio = worst(update, ref)
+            results[name] = {"loss": value, "ref_loss": ref_value, "max_abs_err": err,
+                             "max_abs_grad": scale, "ratio": ratio, "should_match": should_match}
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"stage": args.stage, "world": world, "cases": results}, f, indent=2)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
