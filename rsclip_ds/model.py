@@ -86,7 +86,8 @@ def preset_config(preset: str, tokenizer=None):
     from transformers import SiglipConfig
 
     spec = PRESETS[preset]
-    text = dict(spec["text"])
+    # SigLIP's own tokenizer: pad = eos = 1, no bos (SiglipTextConfig's 49406/49407 are CLIP's)
+    text = dict(spec["text"], pad_token_id=1, bos_token_id=None, eos_token_id=1)
     if tokenizer is not None:
         text.update(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)

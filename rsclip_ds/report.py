@@ -23,7 +23,7 @@ def build_summary(result: TrainResult, *, profile: Profile, plan: BatchPlan, pre
         "offload_optimizer": profile.offload_optimizer, "offload_param": profile.offload_param,
         "activation_checkpointing": activation_checkpointing, "precision": precision,
         "model": preset, "parameters": num_parameters, "loss": loss,
-        "negatives": negatives, "accumulation": accumulation,
+        "negatives": negatives, "accumulation_mode": accumulation,
         "micro_batch": plan.micro, "accumulation": plan.accumulation, "world_size": plan.world,
         "global_batch": plan.global_batch, "batch_arithmetic": str(plan),
         "loss_start": _window_mean(result.losses, head=True),
@@ -53,7 +53,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         ("model", f"{s['model']} ({s['parameters'] / 1e6:.2f}M parameters, {s['loss']} loss)"),
         ("precision", s["precision"]),
         ("batch", f"micro x accumulation x world = global: {s['batch_arithmetic']} "
-                  f"({s['negatives']} negatives, {s['accumulation']} accumulation)"),
+                  f"({s['negatives']} negatives, {s['accumulation_mode']} accumulation)"),
         ("steps", f"{s['optimizer_steps']} optimizer steps, {s['micro_steps']} micro-steps"
                   + (f", {s['skipped_steps']} skipped (fp16 overflow)" if s["skipped_steps"] else "")),
         ("throughput", f"{s['samples_per_s']:.1f} samples/s (global, after step 1); {s['seconds']:.1f} s total"),

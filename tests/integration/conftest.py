@@ -29,8 +29,9 @@ def free_port() -> int:
 
 
 def launch_env() -> dict[str, str]:
+    # PYTHONPATH: the ranks import the tree under test, whatever an editable install points at
     env = dict(os.environ, DS_ACCELERATOR="cpu", DEEPSPEED_TIMEOUT="3", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
     env.pop("CUDA_VISIBLE_DEVICES", None)
     return env
 

@@ -64,7 +64,7 @@ def reference_grads(config, loss: str, pixels, ids) -> tuple[float, list[torch.T
 
 
 def distributed_update(config, loss: str, stage: int, rank: int, world: int, k: int,
-                       mode: str, negatives: str) -> tuple[float, list[torch.Tensor]]:
+                       mode: str, negatives: str, chunk: int = 0) -> tuple[float, list[torch.Tensor]]:
     """One optimizer step of k micro-batches per rank -> (mean loss over ranks, -update)."""
     pixels, ids = global_batch(MICRO * k * world, config)
     mine = slice(rank * MICRO * k, (rank + 1) * MICRO * k)   # this rank's k micro-batches
@@ -72,7 +72,7 @@ def distributed_update(config, loss: str, stage: int, rank: int, world: int, k: 
                for p, i in zip(pixels[mine].split(MICRO), ids[mine].split(MICRO))]
     engine = engine_for(config, loss, stage, world, k)
     before = full_params(engine)
-    loss_fn = build_loss(loss, negatives=negatives, rank=rank, world_size=world)
+    loss_fn = build_loss(loss, negatives=negatives, rank=rank, world_size=world, chunk_size=chunk)
     if mode == "global" and k > 1:
         value = train_step_global(engine, batches, loss_fn, torch.float32)
     else:
@@ -99,15 +99,15 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     config = preset_config("tiny")
-    cases = [  # (name, loss, k, accumulation mode, negatives, expected to match the big batch)
-        (f"{loss}/{neg}/{mode}/k{k}", loss, k, mode, neg, neg == "global" and (mode == "global" or k == 1))
+    cases = [  # (name, loss, k, accumulation mode, negatives, chunk, expected to match the big batch)
+        (f"{loss}/{neg}/{mode}/k{k}", loss, k, mode, neg, 0, neg == "global" and (mode == "global" or k == 1))
         for loss in ("siglip", "clip")
         for (k, mode, neg) in ((1, "plain", "global"), (2, "global", "global"), (3, "global", "global"),
                                (1, "plain", "local"), (2, "plain", "global"))
-    ]
+    ] + [("siglip/global/global/k2/chunk3", "siglip", 2, "global", "global", 3, True)]
     results = {}
-    for name, loss, k, mode, neg, should_match in cases:
-        value, update = distributed_update(config, loss, args.stage, rank, world, k, mode, neg)
+    for name, loss, k, mode, neg, chunk, should_match in cases:
+        value, update = distributed_update(config, loss, args.stage, rank, world, k, mode, neg, chunk)
         if rank == 0:
             ref_value, ref = reference_grads(config, loss, *global_batch(MICRO * k * world, config))
             err, scale, ratio = worst(update, ref)

@@ -53,9 +53,11 @@ def test_same_seed_reproduces_the_loss_trajectory(launch):
     assert a["losses"] != c["losses"]
 
 
-def test_gradient_accumulation_gives_the_documented_steps(launch):
+@pytest.mark.parametrize("mode", ["plain", "global"])
+def test_gradient_accumulation_gives_the_documented_steps(launch, mode):
     s = launch("profile=zero2", "steps=6", "optim.warmup_steps=2", "batch.micro_batch_size=8",
-               "batch.gradient_accumulation_steps=2")
+               "batch.gradient_accumulation_steps=2", f"batch.accumulation={mode}")
+    assert s["accumulation_mode"] == mode
     # micro x accumulation x world = global; one optimizer step per `accumulation` micro-batches
     assert s["batch_arithmetic"] == "8 x 2 x 2 = 32"
     assert (s["optimizer_steps"], s["micro_steps"]) == (6, 12)
@@ -68,10 +70,19 @@ def test_bf16_trains(launch):
     assert s["loss_start"] - s["loss_end"] >= MIN_LOSS_DROP, s["losses"]
 
 
+def test_bf16_with_global_accumulation_and_clip_loss_trains(launch):
+    s = launch("profile=zero3", "precision=bf16", "loss.name=clip", "batch.micro_batch_size=8",
+               "batch.gradient_accumulation_steps=2", "batch.accumulation=global")
+    assert (s["loss"], s["accumulation_mode"], s["micro_steps"]) == ("clip", "global", 60)
+    assert s["loss_start"] - s["loss_end"] >= 1.0, s["losses"]   # InfoNCE starts at ln(32) ~ 3.5
+
+
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_fp16_supported(),
                     reason="this processor has no fp16 support: DeepSpeed's CPU accelerator refuses fp16")
-def test_fp16_trains_with_a_loss_scale(launch):
-    s = launch("profile=zero2", "precision=fp16")
+@pytest.mark.parametrize("mode", ["plain", "global"])
+def test_fp16_trains_with_a_loss_scale(launch, mode):
+    s = launch("profile=zero2", "precision=fp16", "batch.micro_batch_size=8",
+               "batch.gradient_accumulation_steps=2", f"batch.accumulation={mode}")
     assert s["loss_scale"] is not None and s["loss_scale"] > 0
     assert s["loss_start"] - s["loss_end"] >= MIN_LOSS_DROP, s["losses"]
 

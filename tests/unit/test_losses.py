@@ -52,3 +52,27 @@ def test_losses_give_gradients_to_scale_and_bias():
     t, b = torch.tensor([1.0], requires_grad=True), torch.tensor([-1.0], requires_grad=True)
     siglip_loss(img, txt, t, b).backward()
     assert t.grad.abs().item() > 0 and b.grad.abs().item() > 0 and img.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 2, 3, 5, 8])
+@pytest.mark.parametrize("name", ["siglip", "clip"])
+def test_global_forms_on_one_rank_equal_the_references(name, chunk):
+    """With one rank the global forms reduce to the reference; chunking changes nothing."""
+    from rsclip_ds.losses import build_loss, clip_loss_global, siglip_loss_global
+
+    def run(fn):
+        img, txt = _emb(5, 8, 0).requires_grad_(), _emb(5, 8, 1).requires_grad_()
+        t, b = torch.tensor([1.5], requires_grad=True), torch.tensor([-2.0], requires_grad=True)
+        loss = fn(img, txt, t, b)
+        loss.backward()
+        return loss.detach(), img.grad, txt.grad, t.grad
+
+    if name == "siglip":
+        got = run(lambda i, t, s, b: siglip_loss_global(i, t, s, b, chunk_size=chunk))
+        ref = run(siglip_loss)
+    else:
+        got = run(lambda i, t, s, b: clip_loss_global(i, t, s, b))
+        ref = run(clip_loss)
+    for g, r in zip(got, ref):
+        assert torch.allclose(g, r, atol=1e-6)
+    assert build_loss(name, negatives="global", rank=0, world_size=1) in (siglip_loss, clip_loss)
