@@ -78,8 +78,8 @@ class OptimConfig(_Strict):
     lr_scaling: Literal["none", "linear", "sqrt"] = Field(
         "none", description="Scale `lr` with the number of ranks: 'linear' (lr x world), 'sqrt' "
         "(lr x sqrt(world)) or 'none'.")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay; biases, norms, embeddings "
-                                "of position and the logit scale/bias are not decayed.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay on matrices; biases, norms "
+                                "and the logit scale/bias (ndim < 2) are not decayed.")
     betas: tuple[float, float] = Field((0.9, 0.98), description="AdamW betas.")
     eps: float = Field(1e-6, gt=0, description="AdamW epsilon.")
     warmup_steps: int = Field(10, ge=0, description="Linear warmup steps of the warmup+cosine schedule.")
@@ -87,8 +87,9 @@ class OptimConfig(_Strict):
     gradient_clipping: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0: off).")
     impl: Literal["auto", "torch", "deepspeed"] = Field(
         "auto", description="AdamW implementation: 'deepspeed' (FusedAdam on GPU, DeepSpeedCPUAdam "
-        "with offload; JIT-built), 'torch' (torch.optim.AdamW, no build), 'auto' (deepspeed on GPU, "
-        "torch on CPU ranks).")
+        "with offload; JIT-built on first use, FusedAdam needs nvcc), 'torch' (torch.optim.AdamW, "
+        "no build), 'auto' (DeepSpeedCPUAdam for GPU runs with optimizer offload, where torch's "
+        "AdamW on CPU would be the bottleneck; torch everywhere else).")
 
 
 class Fp16Config(_Strict):

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rsclip_ds.config import ConfigError, RunConfig
 
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "ds_profiles"
+# The checkout's ds_profiles/ (editable install), else the copy a wheel installs under
+# <prefix>/share/rsclip_ds/ds_profiles (setup.cfg data_files).
+_CANDIDATES = (Path(__file__).resolve().parent.parent / "ds_profiles",
+               Path(sys.prefix) / "share" / "rsclip_ds" / "ds_profiles")
+PROFILE_DIR = next((d for d in _CANDIDATES if d.is_dir()), _CANDIDATES[0])
 
 # Strategy keys a profile may set (handed to DeepSpeed as they are).
 STRATEGY_KEYS = {
@@ -154,9 +159,9 @@ def scaled_lr(run: RunConfig, world_size: int) -> float:
 
 # --------------------------------------------------------------------------- the DeepSpeed dict
 
-def _run_values(run: RunConfig, plan: BatchPlan, on_gpu: bool) -> dict[str, Any]:
+def _run_values(run: RunConfig, plan: BatchPlan, on_gpu: bool, offload: bool) -> dict[str, Any]:
     o = run.optim
-    use_ds_adam = o.impl == "deepspeed" or (o.impl == "auto" and on_gpu)
+    use_ds_adam = o.impl == "deepspeed" or (o.impl == "auto" and on_gpu and offload)
     values: dict[str, Any] = {
         "train_batch_size": plan.global_batch,
         "train_micro_batch_size_per_gpu": plan.micro,
@@ -182,7 +187,7 @@ def _run_values(run: RunConfig, plan: BatchPlan, on_gpu: bool) -> dict[str, Any]
 def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu: bool) -> dict[str, Any]:
     """Merge the profile's strategy with the run's values; conflicts name both sides."""
     plan = derive_batch(run, world_size)
-    values = _run_values(run, plan, on_gpu)
+    values = _run_values(run, plan, on_gpu, profile.offload_optimizer)
     for key, theirs in profile.run_values.items():
         if theirs != values[key]:
             raise ConfigError(

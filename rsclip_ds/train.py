@@ -58,17 +58,17 @@ def train_step_global(engine, batches: list[dict], loss_fn: Callable, dtype: tor
             image, text, logit_scale, logit_bias = engine(pixel_values, input_ids)
             images.append(image.float())
             texts.append(text.float())
-    image = torch.cat(images).requires_grad_()                                  # (k*B, D)
-    text = torch.cat(texts).requires_grad_()
+    all_image = torch.cat(images).requires_grad_()                              # (k*B, D)
+    all_text = torch.cat(texts).requires_grad_()
     # Trainability from the module: under ZeRO-3 the outputs of a no-grad forward are
     # detached copies that say requires_grad=False even for trainable parameters.
     module = engine.module
     scale = logit_scale.detach().float().requires_grad_(module.logit_scale.requires_grad)
     bias = logit_bias.detach().float().requires_grad_(module.logit_bias.requires_grad)
-    loss = loss_fn(image, text, scale, bias)
+    loss = loss_fn(all_image, all_text, scale, bias)
     loss.backward()   # includes the cross-rank exchange: features of all ranks get their gradient
     sizes = [len(i) for i in images]
-    grad_image, grad_text = image.grad.split(sizes), text.grad.split(sizes)
+    grad_image, grad_text = all_image.grad.split(sizes), all_text.grad.split(sizes)
     for i, (pixel_values, input_ids) in enumerate(inputs):
         _set_rng_state(states[i])   # same dropout masks as in the cached pass
         image_i, text_i, logit_scale, logit_bias = engine(pixel_values, input_ids)
@@ -85,7 +85,9 @@ def train_step_global(engine, batches: list[dict], loss_fn: Callable, dtype: tor
 
 @dataclass
 class TrainResult:
-    losses: list[float] = field(default_factory=list)   # per optimizer step, mean over ranks
+    # per optimizer step, mean over ranks; with 'global' accumulation the loss of the whole
+    # k x micro x world batch, with 'plain' the mean of the k micro-batch losses
+    losses: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)      # learning rate used by each step
     optimizer_steps: int = 0
     micro_steps: int = 0

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from rsclip_ds.losses import LOSSES, build_loss
 from rsclip_ds.model import new_dual_encoder, preset_config
+from rsclip_ds.profiles import load_profile
 from rsclip_ds.train import train_step, train_step_global
 
 MICRO = 4          # samples per rank per micro-batch
@@ -40,7 +41,9 @@ def engine_for(config, loss: str, stage: int, world: int, accumulation: int):
     ds_config = {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": accumulation,
         "train_batch_size": MICRO * accumulation * world, "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+        # the shipped profile's ZeRO block (buckets, overlap_comm, ...), as users run it
+        "zero_optimization": load_profile(f"zero{stage}").strategy["zero_optimization"],
+        "zero_allow_untested_optimizer": True,
         "bf16": {"enabled": False}, "fp16": {"enabled": False}, "steps_per_print": 10**9,
     }
     params = [p for p in model.parameters() if p.requires_grad]

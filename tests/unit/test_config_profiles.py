@@ -129,3 +129,15 @@ def test_run_keys_cover_every_per_run_value():
     ds = build_ds_config(load_config(None, ["precision=fp16"]), load_profile("zero2"), 1, on_gpu=False)
     assert set(RUN_KEYS) <= set(ds)
     assert ds["fp16"]["enabled"] and ds["fp16"]["initial_scale_power"] == 16
+
+
+def test_auto_optimizer_uses_deepspeed_cpu_adam_only_for_gpu_offload():
+    run = load_config()
+    torch_adam = lambda name, gpu: build_ds_config(run, load_profile(name), 2, on_gpu=gpu)[
+        "optimizer"]["params"]["torch_adam"]
+    assert torch_adam("zero2", gpu=True) is True            # no FusedAdam JIT build (needs nvcc)
+    assert torch_adam("zero2_offload", gpu=True) is False   # DeepSpeedCPUAdam for offloaded states
+    assert torch_adam("zero2_offload", gpu=False) is True   # CPU ranks: no cpu_adam build
+    forced = load_config(None, ["optim.impl=deepspeed"])
+    assert build_ds_config(forced, load_profile("zero2"), 2, on_gpu=False)["optimizer"]["params"][
+        "torch_adam"] is False
