@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(sub.add_parser("train", help="train (under the deepspeed launcher or alone)"))
     with_config(sub.add_parser("show-config", help="print the resolved config with every key's description"))
     sub.add_parser("profiles", help="list ds_profiles/")
+    from rsclip_ds.plan_cli import add_plan_parser
+
+    add_plan_parser(sub)
     p = sub.add_parser("make-synthetic", help="write synthetic remote-sensing image-caption shards")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--num-train", type=int, default=4096)
@@ -213,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             run_training(load_config(args.config, args.set))
             return 0
+        from rsclip_ds.plan_cli import cmd_plan
+
         handlers = {"make-synthetic": cmd_make_synthetic, "train-tokenizer": cmd_train_tokenizer,
-                    "show-config": cmd_show_config, "profiles": cmd_profiles}
+                    "show-config": cmd_show_config, "profiles": cmd_profiles, "plan": cmd_plan}
         return handlers[args.command](args)
     except ConfigError as err:
         print(f"rsclip-ds: error: {err}", file=sys.stderr)

@@ -1,0 +1,127 @@
+"""`rsclip-ds plan`: which profile fits a GPU budget, at what micro-batch, and how fast.
+
+    rsclip-ds plan --model git-rsclip-large --gpus 4 --gpu-mem 24GiB --global-batch 4096
+    rsclip-ds plan --params 5e9 --gpus 4 --gpu-mem 24GiB --global-batch 1024 --json
+
+The numbers come from `rsclip_ds.memory` (formulas and assumptions in its docstrings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from rsclip_ds.config import ConfigError
+
+_UNITS = {"": 2**30, "gib": 2**30, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB' -> 24 x 2^30, '80GB' -> 80 x 10^9, '1.5TiB'; a bare number is GiB ('24')."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot read memory size {text!r}: use e.g. 24GiB, 80GB, 512MiB or 24 (GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    from rsclip_ds.model import PRESETS
+
+    p = subparsers.add_parser("plan", help="predict memory per GPU for every profile and pick one")
+    p.add_argument("--model", default="git-rsclip-large", choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--params", type=float, help="instead of --model: a hypothetical size, e.g. 5e9 "
+                   "(git-rsclip-large's towers scaled in width and depth)")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs per node")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu-mem", required=True, help="memory per GPU: 24GiB, 80GB, 24 (= GiB)")
+    p.add_argument("--cpu-mem", help="memory per node (same units); not checked when omitted")
+    p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--loss", default="siglip", choices=["siglip", "clip"])
+    p.add_argument("--negatives", default="global", choices=["global", "local"])
+    p.add_argument("--accumulation", default="global", choices=["global", "plain"])
+    p.add_argument("--json", action="store_true", help="print rows and the recommendation as JSON")
+    p.add_argument("--write-config", type=Path, metavar="PATH",
+                   help="write the recommended row's resolved DeepSpeed JSON here and print the launch command")
+    return p
+
+
+def _overrides(row, args) -> list[str]:
+    return [f"profile={row.profile}", f"precision={args.precision}", f"model.preset={args.model}",
+            f"model.activation_checkpointing={str(row.checkpointing).lower()}",
+            f"batch.micro_batch_size={row.micro}", f"batch.gradient_accumulation_steps={row.accumulation}",
+            f"batch.accumulation={args.accumulation}", f"loss.name={args.loss}", f"loss.negatives={args.negatives}"]
+
+
+def launch_command(row, args, gpus_per_node: int, nodes: int) -> str:
+    where = f"--num_gpus {gpus_per_node}" + (f" --num_nodes {nodes} --hostfile HOSTFILE" if nodes > 1 else "")
+    sets = " ".join(f"--set {o}" for o in _overrides(row, args))
+    return f"deepspeed {where} --module rsclip_ds train --config CONFIG {sets}"
+
+
+def _print_table(rows, best, args, spec) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{spec.name} ({spec.params / 1e6:.0f}M params) on {args.nodes} x {args.gpus} GPUs "
+                        f"of {args.gpu_mem}, global batch {args.global_batch}, {args.precision}")
+    for col in ("profile", "act. ckpt", "fits", "GiB/GPU", "CPU GiB/node", "max micro", "micro x accum",
+                "rel. speed"):
+        table.add_column(col, justify="left" if col == "profile" else "right", no_wrap=col == "profile")
+    for r in rows:
+        mark = " *" if r is best else ""
+        table.add_row(r.profile + mark, "on" if r.checkpointing else "off", "yes" if r.fits else "no",
+                      f"{r.gpu_gib:.1f}", f"{r.cpu_gib_node:.1f}", str(r.max_micro),
+                      f"{r.micro} x {r.accumulation}" if r.fits else "-",
+                      f"{r.relative_speed:.2f}" if r.fits else "-")
+    console = Console()
+    if console.width < 110:   # pipes and CI logs default to 80 columns: keep the table readable
+        console = Console(width=110)
+    console.print(table)
+    console.print("* recommended: the fastest that fits." if best else
+                  "Nothing fits: add GPUs or nodes, or use a smaller model.")
+
+
+def cmd_plan(args) -> int:
+    from rsclip_ds.memory import Budget, preset_spec, plan, recommend, scaled_spec
+
+    spec = scaled_spec(args.params) if args.params else preset_spec(args.model)
+    budget = Budget(args.gpus, args.nodes, parse_bytes(args.gpu_mem),
+                    parse_bytes(args.cpu_mem) if args.cpu_mem else None)
+    try:
+        rows = plan(spec, budget, args.global_batch, args.precision, loss=args.loss,
+                    negatives=args.negatives, accumulation=args.accumulation)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    best = recommend(rows)
+    command = launch_command(best, args, args.gpus, args.nodes) if best and not args.params else None
+    if args.json:
+        print(json.dumps({"model": spec.name, "params": spec.params, "gpus": budget.gpus,
+                          "gpu_bytes": budget.gpu_bytes, "global_batch": args.global_batch,
+                          "rows": [r.to_dict() for r in rows],
+                          "recommended": best.to_dict() if best else None, "command": command}, indent=2))
+    else:
+        _print_table(rows, best, args, spec)
+        if command:
+            print(command)
+    if args.write_config:
+        if best is None or args.params:
+            raise ConfigError("--write-config needs a --model preset and a row that fits")
+        write_config(best, args, budget.gpus, args.write_config)
+        if not args.json:
+            print(f"DeepSpeed config written to {args.write_config}")
+    return 0
+
+
+def write_config(row, args, world_size: int, path: Path) -> dict:
+    """The recommended row as the resolved DeepSpeed dict (run config defaults + the row's values)."""
+    from rsclip_ds.config import load_config
+    from rsclip_ds.profiles import build_ds_config, load_profile
+
+    run = load_config(None, _overrides(row, args))
+    ds = build_ds_config(run, load_profile(row.profile), world_size, on_gpu=True)   # we plan for GPUs
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(ds, indent=2))
+    return ds

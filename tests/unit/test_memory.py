@@ -1,0 +1,133 @@
+"""The memory model against DeepSpeed's own estimators, the activation probe, and the planner's
+answers for a few budgets (the seed article's 80 GB model on 4 x 24 GB among them)."""
+
+import argparse
+import json
+
+import pytest
+import torch
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+from rsclip_ds.memory import (GiB, Budget, _probe, activation_bytes_per_sample, model_state_bytes, plan,
+                              preset_spec, recommend, saved_bytes, scaled_spec)
+from rsclip_ds.model import new_dual_encoder, preset_config
+from rsclip_ds.plan_cli import add_plan_parser, cmd_plan, parse_bytes
+
+PSI, LAYER = 652_150_786, 32_768_000   # git-rsclip-large, its token embedding
+NO_BUCKETS = {"reduce_bucket_size": 0, "allgather_bucket_size": 0, "stage3_prefetch_bucket_size": 0}
+
+
+@pytest.mark.parametrize("gpus", [1, 4, 8])
+def test_zero2_step_peak_is_deepspeeds_estimate(gpus):
+    s = model_state_bytes(PSI, LAYER, 2, False, False, "bf16", gpus, gpus, NO_BUCKETS)
+    _, ds_gpu = estimate_zero2_model_states_mem_needs(PSI, gpus, cpu_offload=False)
+    assert s.gpu + s.step_extra == pytest.approx(ds_gpu, rel=1e-6)          # 2Ψ + 18Ψ/G
+    off = model_state_bytes(PSI, LAYER, 2, True, False, "bf16", gpus, gpus, NO_BUCKETS)
+    ds_cpu, ds_gpu = estimate_zero2_model_states_mem_needs(PSI, gpus, cpu_offload=True)
+    assert off.gpu == ds_gpu                                                # 2Ψ
+    if gpus <= 4:                                                           # max(4G, 16)Ψ x 1.5
+        assert off.cpu_node == pytest.approx(ds_cpu / 1.5, rel=1e-6)
+
+
+@pytest.mark.parametrize("gpus", [1, 4, 8])
+def test_zero3_agrees_with_deepspeed_where_comparable(gpus):
+    kw = dict(num_gpus_per_node=gpus, zero_init=True)
+    # optimizer offload: 2Ψ/G + 4L on the GPU, 16Ψ per node on the CPU (DeepSpeed x 1.5)
+    s = model_state_bytes(PSI, LAYER, 3, True, False, "bf16", gpus, gpus, NO_BUCKETS)
+    ds_cpu, ds_gpu, _ = estimate_zero3_model_states_mem_needs(PSI, LAYER, cpu_offload=True,
+                                                              cpu_offload_params=False, **kw)
+    assert s.gpu + s.train_extra == pytest.approx(ds_gpu, rel=0.01)
+    if gpus <= 4:   # beyond, our CPU peak is the fp32 model every rank builds first (4Ψ per rank)
+        assert s.cpu_node == pytest.approx(ds_cpu / 1.5, rel=0.01)
+    # parameter + optimizer offload: the gathered layer only, 18Ψ per node
+    s = model_state_bytes(PSI, LAYER, 3, True, True, "bf16", gpus, gpus, NO_BUCKETS)
+    ds_cpu, ds_gpu, _ = estimate_zero3_model_states_mem_needs(PSI, LAYER, cpu_offload=True, **kw)
+    assert (s.gpu, s.train_extra) == (0, ds_gpu)
+    assert s.cpu_node == pytest.approx(max(ds_cpu / 1.5, 4 * PSI * gpus), rel=0.01)
+    # no offload: we add the 16-bit parameter partition DeepSpeed's 18Ψ/G leaves out (2Ψ/G)
+    s = model_state_bytes(PSI, LAYER, 3, False, False, "bf16", gpus, gpus, NO_BUCKETS)
+    _, ds_gpu, _ = estimate_zero3_model_states_mem_needs(PSI, LAYER, cpu_offload=False, **kw)
+    ours = s.gpu + s.step_extra + 4 * LAYER
+    assert ours - ds_gpu == pytest.approx(2 * PSI / gpus, rel=0.01)
+
+
+def test_fp32_is_16_bytes_per_parameter_without_master_copy():
+    s = model_state_bytes(10**9, 0, 3, False, False, "fp32", 4, 4, NO_BUCKETS)
+    assert (s.gpu, s.step_extra) == (16 * 10**9 // 4, 0)
+
+
+def test_probe_on_meta_matches_a_real_cpu_forward():
+    cfg = preset_config("tiny")
+    model = new_dual_encoder(cfg).train()
+    params = list(model.parameters())
+    real = (saved_bytes(lambda: model.vision_model(pixel_values=torch.randn(2, 3, 64, 64)), params),
+            saved_bytes(lambda: model.text_model(input_ids=torch.randint(0, 1000, (2, 48))), params))
+    assert _probe(cfg.to_json_string(), "fp32", False, 2) == real
+
+
+@pytest.mark.parametrize("preset", ["tiny", "git-rsclip-large"])
+def test_activations_grow_linearly_and_checkpointing_cuts_them(preset):
+    cj = preset_config(preset).to_json_string()
+    one, two = _probe(cj, "bf16", False, 1), _probe(cj, "bf16", False, 2)
+    assert two[0] == pytest.approx(2 * one[0], rel=0.02) and two[1] == pytest.approx(2 * one[1], rel=0.02)
+    full = activation_bytes_per_sample(preset, "bf16", False)
+    ckpt = activation_bytes_per_sample(preset, "bf16", True)
+    if preset == "git-rsclip-large":   # 24 layers: inputs + one recomputed layer, ~9x less
+        assert full["vision"] > 6 * ckpt["vision"] and full["text"] > 6 * ckpt["text"]
+        assert 190 * 2**20 < full["vision"] < 230 * 2**20        # ~207 MiB per 256 px image
+        assert activation_bytes_per_sample(preset, "fp32", False)["vision"] == pytest.approx(2 * full["vision"], rel=0.01)
+
+
+def test_80gb_model_needs_offload_on_one_gpu_and_fits_4_x_24gb_with_zero3():
+    spec = scaled_spec(5e9)
+    assert 16 * spec.params == pytest.approx(80e9, rel=0.02)          # the article's ~80 GB of states
+    one = plan(spec, Budget(1, 1, 24 * GiB), 1024)
+    assert all(r.fits == ("offload" in r.profile) for r in one)
+    four = plan(spec, Budget(4, 1, 24 * GiB), 1024)
+    zero3 = [r for r in four if r.profile == "zero3"]
+    assert all(r.fits for r in zero3)                                 # 16Ψ/4 = 20 GB of states
+    assert not any(r.fits for r in four if r.profile in ("zero1", "zero2"))
+    best = recommend(four)
+    assert best.fits and best.checkpointing and best.profile in ("zero3", "zero3_offload", "zero2_offload")
+    assert best.micro * best.accumulation * 4 == 1024
+
+
+def test_git_rsclip_large_on_4_x_24gb():
+    rows = plan(preset_spec("git-rsclip-large"), Budget(4, 1, 24 * GiB), 4096)
+    assert len(rows) == 10 and all(r.fits for r in rows)
+    best = recommend(rows)
+    assert best.relative_speed == 1.0 and best.gpu_gib <= 24
+    assert best.micro * best.accumulation * 4 == 4096 and best.micro <= best.max_micro
+    ac = {r.profile: r.max_micro for r in rows if r.checkpointing}
+    assert all(ac[r.profile] > 5 * r.max_micro for r in rows if not r.checkpointing)
+
+
+def test_tiny_fits_everywhere():
+    rows = plan(preset_spec("tiny"), Budget(2, 1, 4 * GiB), 64)
+    assert all(r.fits and (r.micro, r.accumulation) == (32, 1) for r in rows)
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * GiB and parse_bytes("80GB") == 80 * 10**9 and parse_bytes("24") == 24 * GiB
+
+
+def _plan_args(argv):
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["plan", *argv])
+
+
+def test_plan_json_and_written_config(tmp_path, capsys):
+    out = tmp_path / "ds.json"
+    args = _plan_args(["--model", "git-rsclip-base", "--gpus", "2", "--gpu-mem", "24", "--global-batch", "512",
+                       "--json", "--write-config", str(out)])
+    assert cmd_plan(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    best = result["recommended"]
+    assert set(best) >= {"profile", "checkpointing", "fits", "gpu_gib", "cpu_gib_node", "max_micro", "micro",
+                         "accumulation", "relative_speed"}
+    assert len(result["rows"]) == 10 and f"--set batch.micro_batch_size={best['micro']}" in result["command"]
+    ds = json.loads(out.read_text())
+    assert ds["train_batch_size"] == 512 and ds["train_micro_batch_size_per_gpu"] == best["micro"]
+    assert ds["zero_optimization"]["stage"] == int(best["profile"][4])
