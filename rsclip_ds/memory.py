@@ -8,11 +8,13 @@ Peak GPU bytes of a rank are the larger of two phases (activations are freed bef
 
 Model states, Ψ parameters, G = gpus in all, n = gpus per node; bytes per parameter are
 p (weights) g (gradients) k (optimizer: fp32 master + Adam m, v): mixed precision 2 + 2 + 12,
-fp32 4 + 4 + 8 (no master copy). Per GPU (`../shared/notes/deepspeed.md`):
-    ZeRO-1  (p+g)Ψ + kΨ/G         ZeRO-2  pΨ + (g+k)Ψ/G          ZeRO-3  (p+g+k)Ψ/G
+fp32 4 + 4 + 12 (DeepSpeed keeps an fp32 master partition in fp32 too). Per GPU
+(`../shared/notes/deepspeed.md`, corrected by what benchmarks/memory.py measures in 0.19.8):
+    ZeRO-1 = ZeRO-2  pΨ + (g+k)Ψ/G (0.19.8's ZeRO-1 keeps only its gradient partition as well)
+    ZeRO-3  (p+g+k)Ψ/G
     ZeRO-2 + optimizer offload  pΨ        ZeRO-3 + optimizer offload  pΨ/G     + param offload  0
 With offload the CPU of a node holds (k + 4)Ψ n/G (the step's fp32 gradient lives there too),
-plus pΨ n/G with parameter offload. ZeRO-2's step peak, 2Ψ + 18Ψ/G, is exactly DeepSpeed's
+at ZeRO-3 + gΨ n/G (a flat gradient partition), plus pΨ n/G with parameter offload. ZeRO-2's step peak, 2Ψ + 18Ψ/G, is exactly DeepSpeed's
 `estimate_zero2_model_states_mem_needs`; ZeRO-3's is 20Ψ/G + 4L against DeepSpeed's 18Ψ/G + 4L
 (its estimator leaves out the 16-bit parameter partition; we keep it: it is on the GPU).
 """
@@ -30,7 +32,10 @@ GiB = 2**30
 # Allocator fragmentation, on the bytes that churn (activations, buckets, gathered layers,
 # transient gradients). The flat ZeRO buffers are allocated once at start-up and do not fragment.
 FRAGMENTATION = 0.10
-BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}   # p, g, k per parameter
+# p, g, k per parameter. DeepSpeed 0.19.8 keeps an fp32 master partition even in fp32
+# (`single_partition_of_fp32_groups`, `fp32_partitioned_groups_flat`), so k = 4 + 8 always
+# (measured by benchmarks/memory.py).
+BYTES = {"fp32": (4, 4, 12), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -183,7 +188,11 @@ def activation_bytes_per_sample(config, precision: str = "bf16", checkpointing: 
         return {"vision": full[0] // 2, "text": full[1] // 2}
     ckpt = _probe(cj, precision, True, 2)
     layers = (config.vision_config.num_hidden_layers, config.text_config.num_hidden_layers)
-    return {tower: (c + (f - c) // n) // 2 for tower, f, c, n in zip(("vision", "text"), full, ckpt, layers)}
+    # backward recomputes one layer at a time, of one tower: only the larger layer counts
+    layer = [(f - c) // n for f, c, n in zip(full, ckpt, layers)]
+    top = 0 if layer[0] >= layer[1] else 1
+    return {tower: (ckpt[i] + (layer[i] if i == top else 0)) // 2
+            for i, tower in enumerate(("vision", "text"))}
 
 
 def logits_bytes(loss: str, rows: int, cols: int) -> int:
@@ -220,7 +229,9 @@ def model_state_bytes(params: int, largest_layer: int, stage: int, offload_optim
     reduce = min(int(zero.get("reduce_bucket_size", 5e8)), psi) * g * buffers
     cpu = 4 * psi * n                                     # every rank builds the fp32 model on CPU
     if stage < 3:
-        gpu = (p + g) * psi + k * part if stage == 1 else p * psi + (g + k) * part
+        # ZeRO-1 in DeepSpeed 0.19.8 shares ZeRO-2's optimizer and also keeps only its gradient
+        # partition (`averaged_gradients`); the textbook (p + g)Ψ + kΨ/G over-counts it.
+        gpu = p * psi + (g + k) * part
         step = fp32_grad * part + min(int(zero.get("allgather_bucket_size", 5e8)), psi) * p
         if offload_optimizer:
             gpu, step = p * psi, 0
@@ -232,7 +243,8 @@ def model_state_bytes(params: int, largest_layer: int, stage: int, offload_optim
     gpu, step = (p + g + k) * part, fp32_grad * sub_group
     if offload_optimizer:
         gpu, step = p * part, 0
-        cpu = max(cpu, (k + 4 + (p if offload_param else 0)) * part * n)
+        # + the flat gradient partition (`grad_partitions_flat_buffer`) next to the fp32 one
+        cpu = max(cpu, (k + 4 + g + (p if offload_param else 0)) * part * n)
     if offload_param:
         gpu = 0
     return StateBytes(gpu, step, reduce + prefetch + layer, cpu)
