@@ -29,9 +29,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -43,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from common import environment, write_report
 from rsclip_ds.losses import build_loss, clip_loss_global, naive_global_loss, siglip_loss_global
 from rsclip_ds.model import new_dual_encoder, preset_config
 from rsclip_ds.train import train_step, train_step_global
@@ -376,15 +374,6 @@ def plot(report: dict, path: Path) -> str | None:
     return str(path)
 
 
-def environment(world: int, threads: int) -> dict:
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    return {"torch": torch.__version__, "deepspeed": deepspeed.__version__, "python": platform.python_version(),
-            "world_size": world, "device": get_accelerator().device_name(),
-            "backend": dist.get_backend(), "threads_per_rank": threads, "cpu_count": os.cpu_count()}
-
-
 # --------------------------------------------------------------------------- entry point
 
 def parse_args(argv):
@@ -422,10 +411,7 @@ def main(argv=None) -> int:
                   "accumulation": accumulation, "accumulation_ratios": accumulation_ratios(accumulation),
                   "seconds": time.perf_counter() - t0}
         if rank == 0:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            report["png"] = plot(report, args.out.with_suffix(".png"))
-            args.out.write_text(json.dumps(report, indent=2))
-            print_tables(report)
+            write_report(report, args.out, plot, print_tables)
             say(f"wrote {args.out} in {report['seconds']:.0f}s")
         dist.barrier()
     finally:

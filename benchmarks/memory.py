@@ -49,9 +49,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -61,6 +59,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from common import environment, write_report
 from rsclip_ds import memory
 from rsclip_ds.config import load_config
 from rsclip_ds.engine import build_engine, engine_dtype
@@ -362,15 +361,6 @@ def plot(report: dict, path: Path) -> str | None:
     return str(path)
 
 
-def environment(world: int, threads: int) -> dict:
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    return {"torch": torch.__version__, "deepspeed": deepspeed.__version__, "python": platform.python_version(),
-            "world_size": world, "device": get_accelerator().device_name(), "backend": dist.get_backend(),
-            "threads_per_rank": threads, "cpu_count": os.cpu_count()}
-
-
 # --------------------------------------------------------------------------- entry point
 
 def parse_args(argv):
@@ -426,10 +416,7 @@ def main(argv=None) -> int:
                   "profiles": rows, "seconds": time.perf_counter() - t0}
         report["all_pass"] = all(r["model_states_pass"] and r["activations_pass"] for r in rows)
         if rank == 0:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            report["png"] = plot(report, args.out.with_suffix(".png"))
-            args.out.write_text(json.dumps(report, indent=2))
-            print_table(report)
+            write_report(report, args.out, plot, print_table)
             print(f"wrote {args.out} in {report['seconds']:.0f}s; all within target: {report['all_pass']}")
         dist.barrier()
     finally:
