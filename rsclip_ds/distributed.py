@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import socket
 from dataclasses import dataclass
@@ -51,7 +52,26 @@ def init_distributed(timeout_minutes: float | None = None) -> DistInfo:
     deepspeed.init_distributed(timeout=timedelta(minutes=minutes))
     import torch.distributed as dist
 
+    if not on_gpu:
+        _unlink_shm_buffer(dist.get_rank())
     return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), on_gpu)
+
+
+def _unlink_shm_buffer(rank: int) -> None:
+    """DeepSpeed's CPU shared-memory all-reduce (0.19.8) creates
+    /dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank> (64 MiB) and never unlinks
+    it: every CPU run, finished or killed, leaks 64 MiB of RAM per rank until reboot. Every rank
+    maps all buffers while the group starts, so once all ranks passed a barrier the names can
+    go; the mappings stay valid until the processes exit."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    port = os.environ.get("MASTER_PORT", "*")
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_{rank}"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def destroy_distributed() -> None:

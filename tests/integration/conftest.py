@@ -71,8 +71,11 @@ def run_checked(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProce
 def launch(launch_data, tmp_path):
     """launch(*overrides, nproc=2) -> summary dict of a `deepspeed --num_gpus N` run."""
     def _launch(*overrides: str, nproc: int = 2, name: str = "run") -> dict:
-        out = tmp_path / name
-        cmd = deepspeed_cmd() + ["--num_gpus", str(nproc), "--master_port", str(free_port())]
+        out, port = tmp_path / name, free_port()
+        cmd = deepspeed_cmd() + ["--num_gpus", str(nproc), "--master_port", str(port)]
         run_checked(cmd + train_args(launch_data, out, list(overrides)))
+        # DeepSpeed's CPU all-reduce buffers (64 MiB per rank) must not outlive the run
+        leaked = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+        assert not leaked, f"shared-memory buffers left behind: {leaked}"
         return json.loads((out / "summary.json").read_text())
     return _launch
