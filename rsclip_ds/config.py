@@ -54,11 +54,44 @@ class DataConfig(_Strict):
     train_shards: Optional[str] = Field(
         None, description="Training shards: a brace pattern ('data/train-{000000..000009}.tar'), a "
         "glob, a file listing one shard per line, or several of these joined by '::'.")
-    image_key: str = Field("jpg;jpeg;png;webp;tif;tiff",
-                           description="Member extension(s) holding the image, ';'-separated, first match wins.")
-    caption_key: str = Field("txt", description="Member extension(s) holding the caption, ';'-separated.")
+    image_key: str = Field("jpg;jpeg;png;webp;tif;tiff;img_content",
+                           description="Member extension(s) holding the image, ';'-separated, first match "
+                           "wins ('img_content' is RS5M's name).")
+    caption_key: str = Field("txt;caption", description="Member extension(s) holding the caption, "
+                             "';'-separated, first match wins. Text members may hold several captions, one "
+                             "per line; one is drawn per sample and epoch. A 'json' member is read as "
+                             "{\"captions\": [...]} or {\"caption\": \"...\"}.")
     shuffle_buffer: int = Field(1000, ge=0, description="Samples held in the shuffle buffer of each worker (0: off).")
     num_workers: int = Field(2, ge=0, description="Data-loader worker processes per rank.")
+    policy: Literal["exact", "resampled"] = Field(
+        "exact", description="Epoch policy. 'exact': every epoch reshuffles the shard list and splits it by "
+        "rank then worker; every rank gets the same number of batches, the samples of the fuller streams "
+        "beyond that are dropped for this epoch (at most about one shard per worker; see docs/data.md). "
+        "'resampled': every worker draws shards with replacement; an epoch is `epoch_batches` batches.")
+    epoch_batches: Optional[int] = Field(
+        None, ge=1, description="'resampled' only: batches per rank per epoch (default: all samples in "
+        "the shard index / (world size x micro batch)).")
+    train_weights: Optional[list[float]] = Field(
+        None, description="One weight per '::'-separated source of train_shards. 'resampled': the chance "
+        "of drawing a shard of that source is proportional to it. 'exact': whole numbers, each source's "
+        "shards appear that many times per epoch (0 leaves a source out).")
+    shard_index: Optional[str] = Field(
+        None, description="Sample counts of the shards: index JSON file(s), '::'-separated, with "
+        "[{\"url\": name, \"num_samples\": n}] lists (written by make-shards / make-synthetic). Default: "
+        "index.json beside the shards, then img2dataset's *_stats.json, then counting local tars.")
+    random_resized_crop: Optional[tuple[float, float]] = Field(
+        None, description="Augmentation: crop a random area fraction in [min, max] (aspect 3/4..4/3) and "
+        "resize it to the model size, e.g. [0.5, 1.0]. None: the whole image is resized (squashed).")
+    hflip: bool = Field(False, description="Augmentation: random left-right flip. Off by default: captions "
+                        "that say 'on the left' no longer match a mirrored image.")
+    vflip: bool = Field(False, description="Augmentation: random top-bottom flip (same caveat as hflip).")
+    rot90: bool = Field(False, description="Augmentation: random rotation by 0/90/180/270 degrees (overhead "
+                        "imagery has no up; same caveat for captions with positions).")
+    max_bad_fraction: float = Field(
+        0.05, ge=0, le=1, description="Stop with an error when more than this fraction of the samples (or of "
+        "the shards) a rank has read were unreadable. 1 never stops.")
+    bad_data_min_samples: int = Field(
+        1000, ge=0, description="Samples a rank reads before max_bad_fraction is checked.")
 
 
 class BatchConfig(_Strict):
@@ -105,6 +138,68 @@ class LoggingConfig(_Strict):
         "auto", description="'rich' live progress, 'plain' log lines, 'auto': rich on a terminal.")
 
 
+class CheckpointConfig(_Strict):
+    every: int = Field(0, ge=0, description="Save a checkpoint every N optimizer steps (0: only at the "
+                       "end). Checkpoints go to {output_dir}/checkpoints/step{N:08d}.")
+    at_end: bool = Field(True, description="Save a checkpoint after the last step.")
+    keep_last: int = Field(3, ge=1, description="Keep the newest N checkpoints; older ones are deleted "
+                           "after a newer one is complete on every rank.")
+    resume: Optional[str] = Field(
+        None, description="Continue a run: 'latest' (the newest complete checkpoint in "
+        "{output_dir}/checkpoints) or a tag such as 'step00000040'. Same as `train --resume`.")
+
+
+class FaultConfig(_Strict):
+    peer_timeout_s: float = Field(
+        60.0, gt=0, description="A rank whose heartbeat is older than this is taken as dead: the "
+        "other ranks exit (code 4) instead of waiting for the collective timeout. Keep it above the "
+        "longest stall of a healthy rank's Python thread (a checkpoint write does not stall it).")
+    heartbeat_s: float = Field(2.0, gt=0, description="Seconds between heartbeats (a background thread per rank).")
+    stop_check_every: int = Field(
+        1, ge=1, description="Optimizer steps between the all-reduce that makes every rank agree to "
+        "stop after SIGTERM (one 1-element all-reduce; raise it if that shows in profiles).")
+    max_nonfinite_steps: int = Field(
+        3, ge=1, description="bf16/fp32: stop the run (exit code 3) after this many consecutive "
+        "optimizer steps with a non-finite loss; no checkpoint is written from non-finite weights.")
+    inject_nan_at_step: Optional[int] = Field(
+        None, description="FAULT INJECTION for tests, never set in real runs: from this optimizer "
+        "step on, rank 0's loss is multiplied by NaN.")
+    inject_kill_at_step: Optional[int] = Field(
+        None, description="FAULT INJECTION for tests, never set in real runs: the last rank SIGKILLs "
+        "itself at the start of this optimizer step.")
+    inject_kill_in_save_at_step: Optional[int] = Field(
+        None, description="FAULT INJECTION for tests, never set in real runs: the last rank SIGKILLs "
+        "itself inside the checkpoint save of this step, after writing its shards and before the "
+        "latest pointer moves.")
+
+
+class EvalConfig(_Strict):
+    every: int = Field(0, ge=0, description="Evaluate every N optimizer steps and after the last step "
+                       "(0: no evaluation during training). Results go to the log, "
+                       "{output_dir}/eval/step{N:08d}.json and DeepSpeed's monitor.")
+    zero_shot_dir: Optional[Path] = Field(
+        None, description="Zero-shot classification set: one folder per class (AID / NWPU-RESISC45 / "
+        "EuroSAT / UCMerced layout); class names from the folder names (CamelCase and '_' to words).")
+    retrieval_json: Optional[Path] = Field(
+        None, description="Retrieval set: a Karpathy-style caption JSON (RSICD dataset_rsicd.json, "
+        "RSITMD, UCM-captions): images[].filename / split / sentences[].raw.")
+    retrieval_images: Optional[Path] = Field(
+        None, description="Folder of the caption JSON's images (default: 'images/' or 'imgs/' beside "
+        "the JSON, else the JSON's folder).")
+    retrieval_split: str = Field("test", description="Which `split` of the caption JSON to evaluate.")
+    templates: Optional[Path] = Field(
+        None, description="Prompt templates for zero-shot, one per line with '{}' for the class name; "
+        "default: the shipped remote-sensing set (rsclip_ds/templates/remote_sensing.txt).")
+    batch_size: int = Field(64, ge=1, description="Images (and texts) per forward pass per rank.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "EvalConfig":
+        if self.every and self.zero_shot_dir is None and self.retrieval_json is None:
+            raise ValueError("eval.every is set but there is nothing to evaluate: set eval.zero_shot_dir "
+                             "and/or eval.retrieval_json (or eval.every=0)")
+        return self
+
+
 class RunConfig(_Strict):
     profile: str = Field("zero2", description="DeepSpeed strategy: a name in ds_profiles/ (zero1, zero2, "
                          "zero2_offload, zero3, zero3_offload) or a path to a profile JSON.")
@@ -120,6 +215,12 @@ class RunConfig(_Strict):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")
     fp16: Fp16Config = Field(default_factory=Fp16Config, description="Loss-scaler settings (precision=fp16).")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress output.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation during training "
+                             "(zero-shot classification, retrieval).")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
+                                         description="Checkpoints and resume (docs/checkpoints.md).")
+    faults: FaultConfig = Field(default_factory=FaultConfig,
+                                description="Dead ranks, SIGTERM, non-finite losses (docs/checkpoints.md).")
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":

@@ -1,0 +1,273 @@
+"""Checkpoints: DeepSpeed save/resume behind our own atomic pointer, consolidation, HF export.
+
+Layout (docs/checkpoints.md):
+
+    {output_dir}/checkpoints/
+        rsclip_latest             our pointer: the tag of the newest checkpoint every rank finished
+        step00000040/             one tag per saved step
+            rsclip_meta.json      step, resolved config, rsclip_ds version; written only after
+                                  every rank finished writing, so it marks a complete checkpoint
+            hf/                   config.json, tokenizer, preprocessor_config.json (no weights)
+            mp_rank_00_model_states.pt, *_optim_states.pt   DeepSpeed's shards
+
+DeepSpeed's own `latest` file is written by rank 0 before the other ranks finish their shards,
+so we save with `save_latest=False` and never read it. The pointer moves after a barrier that
+follows every rank's write, by write-temp + fsync + os.replace: a process killed mid-save
+leaves the previous checkpoint as the one `--resume latest` and `resolve_checkpoint` find.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from rsclip_ds import __version__
+from rsclip_ds.config import CheckpointConfig, ConfigError, RunConfig
+
+log = logging.getLogger("rsclip_ds")
+
+CHECKPOINT_DIR = "checkpoints"
+POINTER = "rsclip_latest"
+META = "rsclip_meta.json"
+HF_DIR = "hf"
+_TAG = re.compile(r"^step(\d{8})$")
+
+
+def tag_for(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def checkpoint_root(output_dir: Path) -> Path:
+    return Path(output_dir) / CHECKPOINT_DIR
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Readers see the old file or the new one, never a torn one (also across a power loss)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)   # the rename itself is durable only once the folder is synced
+    finally:
+        os.close(fd)
+
+
+def read_pointer(root: Path) -> str | None:
+    path = Path(root) / POINTER
+    return path.read_text().strip() if path.is_file() else None
+
+
+def is_complete(root: Path, tag: str) -> bool:
+    return (Path(root) / tag / META).is_file()
+
+
+def complete_tags(root: Path) -> list[str]:
+    """Complete checkpoints, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    tags = [p.name for p in root.iterdir() if _TAG.match(p.name) and is_complete(root, p.name)]
+    return sorted(tags)
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
+    """(checkpoint root, tag) from a run's output_dir, its checkpoints folder, or a tag folder.
+    A root resolves through our pointer (the newest checkpoint every rank finished)."""
+    p = Path(path)
+    if (p / META).is_file():
+        return p.parent, p.name
+    if p.is_dir() and _TAG.match(p.name):
+        raise FileNotFoundError(f"{p} is an incomplete checkpoint (no {META}: a rank died while "
+                                f"saving it); use the checkpoints folder {p.parent} to get the newest complete one")
+    if (p / CHECKPOINT_DIR).is_dir():
+        p = p / CHECKPOINT_DIR
+    tag = read_pointer(p)
+    if tag is None:
+        raise FileNotFoundError(f"no complete checkpoint under {path} (no {POINTER} file); pass a run "
+                                f"output_dir, its '{CHECKPOINT_DIR}' folder or a step######## folder")
+    if not is_complete(p, tag):
+        raise FileNotFoundError(f"{p / POINTER} names {tag}, which has no {META}")
+    return p, tag
+
+
+def load_meta(root: Path, tag: str) -> dict[str, Any]:
+    return json.loads((Path(root) / tag / META).read_text())
+
+
+@contextlib.contextmanager
+def weights_only_loads():
+    """Force `torch.load(weights_only=True)` inside DeepSpeed's loaders, which pass
+    weights_only=False. The allow-list holds what DeepSpeed 0.19 pickles besides tensors and
+    containers (see docs/checkpoints.md); anything else fails to load instead of running."""
+    original = torch.load
+
+    def safe_load(*args, **kwargs):
+        kwargs["weights_only"] = True
+        return original(*args, **kwargs)
+
+    with torch.serialization.safe_globals(_safe_globals()):
+        torch.load = safe_load
+        try:
+            yield
+        finally:
+            torch.load = original
+
+
+def _safe_globals() -> list:
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def consolidated_state_dict(path: str | Path) -> tuple[RunConfig, dict[str, torch.Tensor]]:
+    """The run config and one fp32 state dict (SiglipModel keys) from a checkpoint of any ZeRO
+    stage; `path` as in resolve_checkpoint. Runs on one process, no process group needed."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    root, tag = resolve_checkpoint(path)
+    run = RunConfig.model_validate(load_meta(root, tag)["config"])
+    with weights_only_loads():
+        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    return run, state
+
+
+# --------------------------------------------------------------------------- save / resume
+
+class Checkpointer:
+    """Saves on every rank, moves the pointer once all ranks finished, keeps the newest N.
+
+    `write_extras(folder)` runs on rank 0 for each save (the tokenizer and model config for
+    export). `kill_in_save_at` is the fault-injection switch of faults.inject_kill_in_save_at_step."""
+
+    def __init__(self, cfg: CheckpointConfig, root: Path, *, rank: int, world_size: int,
+                 run_config: dict[str, Any], write_extras: Callable[[Path], None] | None = None,
+                 kill_in_save_at: int | None = None):
+        self.cfg, self.root = cfg, Path(root)
+        self.rank, self.world_size = rank, world_size
+        self.run_config = run_config
+        self.write_extras = write_extras
+        self.kill_in_save_at = kill_in_save_at
+        self.saved: list[str] = []
+
+    def due(self, step: int, last_step: int) -> bool:
+        return bool((self.cfg.every and step % self.cfg.every == 0) or (self.cfg.at_end and step == last_step))
+
+    def save(self, engine, step: int, client_state: dict[str, Any]) -> str:
+        import torch.distributed as dist
+
+        tag = tag_for(step)
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            stale = self.root / tag / META   # a re-save after a resume: not complete until re-marked
+            stale.unlink(missing_ok=True)
+        engine.save_checkpoint(str(self.root), tag=tag, client_state=client_state, save_latest=False)
+        if self.rank == 0 and self.write_extras is not None:
+            self.write_extras(self.root / tag / HF_DIR)
+        if self.kill_in_save_at == step and self.rank == self.world_size - 1:
+            log.warning("fault injection: rank %d SIGKILLs itself inside the save of %s", self.rank, tag)
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.barrier()   # every rank's shards are on disk
+        if self.rank == 0:
+            meta = {"step": step, "tag": tag, "world_size": self.world_size,
+                    "rsclip_ds_version": __version__, "config": self.run_config}
+            _atomic_write(self.root / tag / META, json.dumps(meta, indent=2))
+            _atomic_write(self.root / POINTER, tag + "\n")
+            self._prune()
+        self.saved.append(tag)
+        log.info("checkpoint %s saved to %s", tag, self.root)
+        return tag
+
+    def _prune(self) -> None:
+        """Delete complete checkpoints older than the newest `keep_last`, and incomplete ones
+        older than the newest complete one (a newer incomplete one is overwritten on resume)."""
+        keep = complete_tags(self.root)[-self.cfg.keep_last:]
+        oldest_kept = keep[0]
+        for p in self.root.iterdir():
+            if _TAG.match(p.name) and p.name not in keep and p.name < oldest_kept:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def resolve_resume(self, resume: str) -> str:
+        if resume == "latest":
+            tag = read_pointer(self.root)
+            if tag is None:
+                raise ConfigError(f"--resume latest: no complete checkpoint in {self.root} "
+                                  f"(set checkpoint.every to save some, or start without --resume)")
+            return tag
+        if not _TAG.match(resume):
+            raise ConfigError(f"--resume {resume!r}: expected 'latest' or a tag like step00000040")
+        if not is_complete(self.root, resume):
+            have = ", ".join(complete_tags(self.root)) or "none"
+            raise ConfigError(f"--resume {resume}: no complete checkpoint of that name in {self.root} "
+                              f"(complete ones: {have})")
+        return resume
+
+    def load(self, engine, resume: str) -> dict[str, Any]:
+        """Load engine state (module, optimizer, scheduler) and return the client state."""
+        tag = self.resolve_resume(resume)
+        saved_world = load_meta(self.root, tag).get("world_size")
+        if saved_world != self.world_size:
+            raise ConfigError(f"checkpoint {tag} was written by {saved_world} ranks, this run has "
+                              f"{self.world_size}: resume exactly needs the same world size")
+        with weights_only_loads():
+            path, client = engine.load_checkpoint(str(self.root), tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed could not load {self.root / tag}")
+        log.info("resumed from %s (step %d)", self.root / tag, client["rsclip"]["step"])
+        return client
+
+
+def write_hf_extras(folder: Path, model_config, tokenizer, image_size: int, mean, std) -> None:
+    """Everything of a Hugging Face folder except the weights (those come at export)."""
+    from transformers import SiglipImageProcessorPil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model_config.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    SiglipImageProcessorPil(size={"height": image_size, "width": image_size}, image_mean=list(mean),
+                            image_std=list(std)).save_pretrained(str(folder))
+
+
+# --------------------------------------------------------------------------- export
+
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32") -> Path:
+    """A Hugging Face folder (config, model.safetensors, tokenizer, image processor) that
+    `transformers.AutoModel.from_pretrained` loads as a SiglipModel, from any ZeRO stage."""
+    from transformers import AutoConfig, SiglipModel
+
+    root, tag = resolve_checkpoint(checkpoint)
+    extras = root / tag / HF_DIR
+    if not (extras / "config.json").is_file():
+        raise FileNotFoundError(f"{extras} is missing: the checkpoint was not written by rsclip_ds")
+    _, state = consolidated_state_dict(root / tag)
+    model = SiglipModel(AutoConfig.from_pretrained(str(extras)))
+    model.load_state_dict(state, strict=True)
+    model.to(EXPORT_DTYPES[dtype])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    for item in extras.iterdir():
+        if item.name != "config.json":
+            shutil.copy2(item, out / item.name)
+    meta = load_meta(root, tag)
+    (out / "rsclip_export.json").write_text(json.dumps(
+        {"checkpoint": str(root / tag), "step": meta["step"], "dtype": dtype,
+         "rsclip_ds_version": __version__}, indent=2))
+    return out
