@@ -127,7 +127,8 @@ def cmd_make_synthetic(args) -> int:
     from rsclip_ds.synthetic import make_synthetic
 
     info = make_synthetic(args.out, num_train=args.num_train, num_val=args.num_val,
-                          shard_size=args.shard_size, image_size=args.image_size, seed=args.seed)
+                          shard_size=args.shard_size, image_size=args.image_size, seed=args.seed,
+                          eval_layout=args.eval)
     print(json.dumps({k: v for k, v in info.items() if k not in ("train", "val")}, indent=2))
     return 0
 
@@ -194,10 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
     from rsclip_ds.plan_cli import add_plan_parser
 
     add_plan_parser(sub)
+    from rsclip_ds.evaluate import add_eval_parser
+
+    add_eval_parser(sub)
     p = sub.add_parser("make-synthetic", help="write synthetic remote-sensing image-caption shards")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--num-train", type=int, default=4096)
     p.add_argument("--num-val", type=int, default=512)
+    p.add_argument("--eval", action="store_true", help="also write the val split as a class-folder "
+                   "tree (eval/classes/) and a caption JSON (eval/captions.json) for `rsclip-ds eval`")
     p.add_argument("--shard-size", type=int, default=512)
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
@@ -218,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from rsclip_ds.plan_cli import cmd_plan
 
-        handlers = {"make-synthetic": cmd_make_synthetic, "train-tokenizer": cmd_train_tokenizer,
+        from rsclip_ds.evaluate import cmd_eval
+
+        handlers = {"eval": cmd_eval, "make-synthetic": cmd_make_synthetic, "train-tokenizer": cmd_train_tokenizer,
                     "show-config": cmd_show_config, "profiles": cmd_profiles, "plan": cmd_plan}
         return handlers[args.command](args)
     except ConfigError as err:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -157,11 +158,15 @@ def render_sample(rng: np.random.Generator, size: int = 64) -> tuple[Image.Image
                     size * rng.uniform(0.08, 0.13), COLORS[obj["color"]])
 
     template = int(rng.integers(len(TEMPLATES)))
-    objs = " and ".join(_object_phrase(o) for o in objects)
-    caption = TEMPLATES[template].format(lc=land_cover, objs=objs)
-    caption = caption[0].upper() + caption[1:] if template == 3 else caption
     labels = {"land_cover": land_cover, "land_cover_id": lc_id, "objects": objects, "template": template}
-    return image, caption, labels
+    return image, caption_for(labels, template), labels
+
+
+def caption_for(labels: dict, template: int) -> str:
+    """The caption of ``labels`` written with ``TEMPLATES[template]``."""
+    objs = " and ".join(_object_phrase(o) for o in labels["objects"])
+    caption = TEMPLATES[template].format(lc=labels["land_cover"], objs=objs)
+    return caption[0].upper() + caption[1:] if template == 3 else caption
 
 
 # --------------------------------------------------------------------------- shards
@@ -195,17 +200,52 @@ def _write_split(out_dir: Path, split: str, num: int, shard_size: int, image_siz
     return shards
 
 
+def class_folder_name(land_cover: str) -> str:
+    """'residential area' -> 'ResidentialArea' (the AID / EuroSAT folder style)."""
+    return "".join(word.capitalize() for word in land_cover.split())
+
+
+def _write_eval_layout(out_dir: Path, num: int, image_size: int, seed: int,
+                       advance: Callable[[], None]) -> dict:
+    """The val samples again, as the two layouts evaluation reads:
+    eval/classes/<LandCover>/<key>.jpg (zero-shot) and eval/captions.json + eval/images/ (a
+    Karpathy-style caption file, split "test", one caption per template = several per image)."""
+    root = out_dir / "eval"
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    for name in LAND_COVER_CLASSES:
+        (root / "classes" / class_folder_name(name)).mkdir(parents=True, exist_ok=True)
+    images, sentid = [], 0
+    for index in range(num):
+        image, _, labels = render_sample(sample_rng(seed, "val", index), image_size)
+        key, data = f"val_{index:07d}", _encode(image)
+        (root / "images" / f"{key}.jpg").write_bytes(data)
+        (root / "classes" / class_folder_name(labels["land_cover"]) / f"{key}.jpg").write_bytes(data)
+        sentences = []
+        for template in range(len(TEMPLATES)):
+            raw = caption_for(labels, template)
+            sentences.append({"raw": raw, "tokens": re.findall(r"[a-z-]+", raw.lower()),
+                              "imgid": index, "sentid": sentid + template})
+        images.append({"filename": f"{key}.jpg", "imgid": index, "split": "test",
+                       "sentences": sentences, "sentids": [s["sentid"] for s in sentences]})
+        sentid += len(sentences)
+        advance()
+    (root / "captions.json").write_text(json.dumps({"dataset": "synthetic", "images": images}) + "\n")
+    return {"classes_dir": "eval/classes", "captions_json": "eval/captions.json", "images_dir": "eval/images"}
+
+
 def _brace_pattern(out_dir: Path, split: str, count: int) -> str:
     return str(out_dir / f"{split}-{{000000..{count - 1:06d}}}.tar")
 
 
 def make_synthetic(out_dir: str | Path, *, num_train: int = 2048, num_val: int = 256,
                    shard_size: int = 256, image_size: int = 64, seed: int = 0,
-                   progress: bool = True) -> dict:
+                   progress: bool = True, eval_layout: bool = False) -> dict:
     """Write train/val shards and ``index.json`` into ``out_dir``; return the index.
 
     The returned dict is index.json plus "train_pattern" / "val_pattern": brace patterns with the
-    full path, ready for ``data.train_shards``.
+    full path, ready for ``data.train_shards``. ``eval_layout``: also write the val split as a
+    class-folder tree and a caption JSON (see ``_write_eval_layout``); index.json then gets an
+    "eval" entry and the dict "zero_shot_dir" / "retrieval_json" (full paths).
     """
     if num_train < 1 or num_val < 1 or shard_size < 1 or image_size < 8:
         raise ValueError(f"make_synthetic needs num_train, num_val, shard_size >= 1 and image_size >= 8 "
@@ -218,6 +258,12 @@ def make_synthetic(out_dir: str | Path, *, num_train: int = 2048, num_val: int =
             task = bar.add_task(f"synthetic {split}", total=num)
             index[split] = _write_split(out, split, num, shard_size, image_size, seed,
                                         lambda t=task: bar.advance(t))
+        if eval_layout:
+            task = bar.add_task("synthetic eval layout", total=num_val)
+            index["eval"] = _write_eval_layout(out, num_val, image_size, seed, lambda t=task: bar.advance(t))
     (out / "index.json").write_text(json.dumps(index, indent=2) + "\n")
     patterns = {f"{s}_pattern": _brace_pattern(out, s, len(index[s])) for s in ("train", "val")}
+    if eval_layout:
+        patterns.update(zero_shot_dir=str(out / index["eval"]["classes_dir"]),
+                        retrieval_json=str(out / index["eval"]["captions_json"]))
     return {**index, **patterns}
