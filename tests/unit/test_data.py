@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rsclip_ds.config import DataConfig
-from rsclip_ds.data import build_train_loader, expand_urls, shards_for_epoch
+from rsclip_ds.data import DataError, build_train_loader, expand_urls, shards_for_epoch
 
 B = 8  # micro-batch; tiny_shards has 8 train shards of 8 samples
 
@@ -86,9 +86,9 @@ def test_workers_are_clamped_to_the_shards_of_the_rank(index, caplog):
     spec = f"{index['dir']}/train-{{000000..000002}}.tar"  # 3 shards over 2 ranks: 2 and 1
     with caplog.at_level(logging.WARNING, logger="rsclip_ds.data"):
         loaders = [_loader(index, rank=r, world_size=2, train_shards=spec, num_workers=4) for r in (0, 1)]
-    assert [ld.pipeline[0].num_workers for ld in loaders] == [2, 1]
+    assert [ld.num_workers for ld in loaders] == [2, 1]
     assert "rank 0 has 2 shard(s) for data.num_workers=4; using 2" in caplog.text
-    assert _loader(index, num_workers=2).pipeline[0].num_workers == 2  # enough shards: unchanged
+    assert _loader(index, num_workers=2).num_workers == 2  # enough shards: unchanged
 
 
 # --------------------------------------------------------------------------- batches
@@ -140,5 +140,5 @@ def test_two_workers_split_the_shards_deterministically(index, monkeypatch):
 
 
 def test_wrong_member_key_names_the_setting(index):
-    with pytest.raises(ValueError, match="data.image_key"):
-        _take(_loader(index, image_key="png"), 1)
+    with pytest.raises(DataError, match=r"64 of 64 samples.*missing_image 64.*data.image_key is png"):
+        _take(_loader(index, image_key="png", bad_data_min_samples=64), 1)
