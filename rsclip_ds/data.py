@@ -76,15 +76,15 @@ class DataError(RuntimeError):
 def _read_list(path: Path) -> list[str]:
     """A shard list: one url per line, '#' comments; relative paths are relative to the list."""
     lines = (ln.split("#", 1)[0].strip() for ln in path.read_text().splitlines())
-    return [ln if ln.startswith(_REMOTE_PREFIXES) or Path(ln).is_absolute() else str(path.parent / ln)
-            for ln in lines if ln]
+    return [ln if ln.startswith(_REMOTE_PREFIXES + ("file:",)) or Path(ln).is_absolute()
+            else str(path.parent / ln) for ln in lines if ln]
 
 
 def _expand_one(item: str, spec: str) -> list[str]:
     """One brace-expanded entry -> urls (glob, list file, remote url or existing local file)."""
-    if item.startswith(_REMOTE_PREFIXES):
+    if item.startswith(_REMOTE_PREFIXES + ("file:",)):   # 'file:' opts out of the existence check
         return [item]
-    local = item.removeprefix("file:")
+    local = item
     if any(c in local for c in "*?["):
         found = sorted(glob.glob(local))
     elif not Path(local).is_file():
@@ -142,9 +142,17 @@ def _index_entries(path: Path) -> dict[str, int]:
 
 
 def count_tar_samples(path: Path) -> int:
-    """Distinct sample keys in a local tar (seeks over member data: headers only)."""
-    with tarfile.open(path, "r:") as tar:
-        return len({_split_member(m.name)[0] for m in tar if m.isfile()})
+    """Distinct sample keys in a local tar (seeks over member data: headers only); a broken tar
+    counts what precedes the break (reading it reports the break)."""
+    keys = set()
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                if member.isfile():
+                    keys.add(_split_member(member.name)[0])
+    except (tarfile.TarError, EOFError, OSError):
+        pass
+    return len(keys)
 
 
 def shard_counts(urls: Sequence[str], shard_index: str | None = None) -> dict[str, int]:
@@ -267,7 +275,9 @@ class EpochPlan:
         return _share(self.start(epoch), n, self.workers_of(rank), worker)
 
     def digest(self) -> str:
-        return hashlib.blake2b(json.dumps([self.sources, self.weights]).encode(), digest_size=8).hexdigest()
+        counts = [self.counts.get(u) for u in self.urls] if self.counts else None
+        return hashlib.blake2b(json.dumps([self.sources, self.weights, counts]).encode(),
+                               digest_size=8).hexdigest()
 
 
 # --------------------------------------------------------------------------- bad data
@@ -307,17 +317,18 @@ class _Counter:
         self.samples = int(state.get("samples", 0))   # samples taken from the buffer, good or bad
         self.shards = int(state.get("shards", 0))     # shards opened (for the bad-shard fraction)
         self.opened = 0                               # shards opened in this epoch
-        self.quiet_below = 0                          # replay: shards already counted before resume
+        self.closed = 0                               # ... and read to the end (errors reported)
+        self.quiet_opened = self.quiet_closed = 0     # replay: shards already counted before resume
         self.events: list[tuple[str, str, str]] = []
         self.examples: dict[str, str] = {}
         self._sent = dict.fromkeys(BAD_KINDS, 0)
 
     def shard_opened(self) -> bool:
-        """Count a newly opened shard; False while replaying shards counted before a resume."""
+        """Count a newly opened shard; False while replaying a shard whose errors were counted
+        before a resume (a shard's errors are known when it has been read to its end)."""
         self.opened += 1
-        counting = self.opened > self.quiet_below
-        self.shards += counting
-        return counting
+        self.shards += self.opened > self.quiet_opened
+        return self.opened > self.quiet_closed
 
     def report(self, kind: str, where: str, detail: str) -> None:
         self.bad[kind] += 1
@@ -340,10 +351,23 @@ def read_shard(url: str, counter: _Counter) -> Iterator[dict]:
         stream = _open(url)
     except FileNotFoundError as err:
         report("missing_shard", url, str(err))
+        counter.closed = counter.opened
         return
     except OSError as err:
         report("unreadable_shard", url, str(err))
+        counter.closed = counter.opened
         return
+    try:
+        yield from _tar_samples(url, stream, report)
+        counter.closed = counter.opened   # not when the consumer stopped early (GeneratorExit)
+    finally:
+        try:
+            stream.close()
+        except OSError:   # a pipe: command killed because we stopped reading early
+            pass
+
+
+def _tar_samples(url: str, stream, report) -> Iterator[dict]:
     sample, yielded = None, 0
     try:
         with tarfile.open(fileobj=stream, mode="r|*") as tar:
@@ -367,11 +391,6 @@ def read_shard(url: str, counter: _Counter) -> Iterator[dict]:
     except (tarfile.TarError, EOFError, OSError) as err:
         # the sample being read when the tar broke is dropped with it
         report("truncated_tar" if yielded or sample else "unreadable_shard", url, f"{type(err).__name__}: {err}")
-    finally:
-        try:
-            stream.close()
-        except OSError:   # a pipe: command killed because we stopped reading early
-            pass
 
 
 def _shuffled(src: Iterator[dict], bufsize: int, rng: random.Random) -> Iterator[dict]:
@@ -478,7 +497,7 @@ def _worker() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
-_FRESH = {"epoch": 0, "taken": 0, "done": 0, "opened": 0}
+_FRESH = {"epoch": 0, "taken": 0, "done": 0, "opened": 0, "closed": 0}
 
 
 class StreamDataset(IterableDataset):
@@ -498,12 +517,12 @@ class StreamDataset(IterableDataset):
         stream = (pid + self.offset) % k
         start = self.starts[stream] or _FRESH
         counter = _Counter(start)
-        epoch, taken, done, opened = (int(start[x]) for x in ("epoch", "taken", "done", "opened"))
+        epoch, taken, done, opened, closed = (int(start[x]) for x in ("epoch", "taken", "done", "opened", "closed"))
         while True:
             quota = self.plan.worker_batches(epoch, self.rank, stream)
             if done < quota:
-                yield from self._epoch(epoch, stream, quota, taken, done, opened, counter)
-            epoch, taken, done, opened = epoch + 1, 0, 0, 0
+                yield from self._epoch(epoch, stream, quota, (taken, done, opened, closed), counter)
+            epoch, taken, done, opened, closed = epoch + 1, 0, 0, 0, 0
 
     def _raw(self, epoch: int, stream: int, counter: _Counter, rng: random.Random) -> Iterator[dict]:
         """Shuffled, undecoded samples of this stream's epoch. 'exact' reads its shards again
@@ -531,10 +550,13 @@ class StreamDataset(IterableDataset):
                                 f"held no readable sample (last: {url}); counts so far: "
                                 f"{ {k: v for k, v in counter.bad.items() if v} }. Check data.train_shards")
 
-    def _epoch(self, epoch: int, stream: int, quota: int, taken: int, done: int, opened: int,
+    def _epoch(self, epoch: int, stream: int, quota: int, position: tuple[int, int, int, int],
                counter: _Counter) -> Iterator[dict]:
-        seed, batch = self.plan.seed, []
-        counter.opened, counter.quiet_below = 0, opened
+        """Batches of one epoch from ``position`` = (samples taken from the buffer, batches done,
+        shards opened, shards read to their end) on."""
+        (taken, done, opened, closed), seed, batch = position, self.plan.seed, []
+        counter.opened = counter.closed = 0
+        counter.quiet_opened, counter.quiet_closed = opened, closed
         rng = random.Random(derive_seed(seed, "buffer", epoch, self.rank, stream))
         raw = self._raw(epoch, stream, counter, rng)
         cfg, who = self.cfg, f"rank {self.rank} stream {stream}"
@@ -554,7 +576,7 @@ class StreamDataset(IterableDataset):
                 if len(batch) == self.collate.micro:
                     done += 1
                     meta = {"stream": stream, "epoch": epoch, "taken": n, "done": done,
-                            "opened": counter.opened, "bad": dict(counter.bad), "samples": counter.samples,
+                            "opened": counter.opened, "closed": counter.closed, "bad": dict(counter.bad), "samples": counter.samples,
                             "shards": counter.shards, "events": counter.events}
                     counter.events = []
                     yield {**self.collate(batch), "_meta": meta}
@@ -624,7 +646,7 @@ class TrainLoader:
         fixes = {"seed": "run with the seed of the saved run", "world_size": "launch as many ranks as the "
                  "saved run", "rank": "load the state saved by this rank", "micro_batch_size": "keep "
                  "batch.micro_batch_size", "streams": "keep data.num_workers (streams per rank)",
-                 "shards": "keep data.train_shards / data.train_weights", "policy": "keep data.policy",
+                 "shards": "keep data.train_shards / data.train_weights and the shard sample counts (index JSON)", "policy": "keep data.policy",
                  "epoch_batches": "keep data.epoch_batches", "version": "resume with the same rsclip_ds"}
         saved = {k: state.get(k) for k in fixes}
         saved["streams"] = len(state.get("streams") or [])
