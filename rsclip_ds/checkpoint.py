@@ -171,6 +171,11 @@ class Checkpointer:
         import torch.distributed as dist
 
         tag = tag_for(step)
+        # DeepSpeed keeps rank 0's client state only (stage 1/2): gather every rank's (RNG, data
+        # position) so that each rank finds its own on resume.
+        ranks: list[Any] = [None] * self.world_size
+        dist.all_gather_object(ranks, client_state)
+        client_state = {"rsclip": {"step": step, "version": __version__, "ranks": ranks}}
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             stale = self.root / tag / META   # a re-save after a resume: not complete until re-marked
@@ -217,7 +222,8 @@ class Checkpointer:
         return resume
 
     def load(self, engine, resume: str) -> dict[str, Any]:
-        """Load engine state (module, optimizer, scheduler) and return the client state."""
+        """Load engine state (module, optimizer, scheduler) and return this rank's client state
+        (what `train.client_state` made)."""
         tag = self.resolve_resume(resume)
         saved_world = load_meta(self.root, tag).get("world_size")
         if saved_world != self.world_size:
@@ -228,7 +234,7 @@ class Checkpointer:
         if path is None:
             raise FileNotFoundError(f"DeepSpeed could not load {self.root / tag}")
         log.info("resumed from %s (step %d)", self.root / tag, client["rsclip"]["step"])
-        return client
+        return client["rsclip"]["ranks"][self.rank]
 
 
 def write_hf_extras(folder: Path, model_config, tokenizer, image_size: int, mean, std) -> None:

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Callable, Sequence
 
 from rsclip_ds.config import ConfigError, RunConfig, describe, load_config
 
@@ -59,22 +60,25 @@ def _prepare(run: RunConfig):
     return profile, ds_config
 
 
-def run_training(run: RunConfig) -> dict | None:
-    """Train; returns the summary on rank 0 (None elsewhere)."""
+def run_training(run: RunConfig, hooks: Sequence[Callable] = ()) -> dict | None:
+    """Train; returns the summary on rank 0 (None elsewhere). `hooks(step, engine)` run after
+    every optimizer step (train.train). Raises train.Preempted after a SIGTERM (checkpoint
+    saved) and train.NonFiniteLoss; main() turns them into exit codes 75 and 3."""
     import torch
 
-    from rsclip_ds.data import build_train_loader
-    from rsclip_ds.distributed import destroy_distributed, init_distributed
+    from rsclip_ds.distributed import Heartbeat, StopFlag, destroy_distributed, init_distributed
     from rsclip_ds.engine import build_engine
     from rsclip_ds.losses import build_loss
     from rsclip_ds.model import apply_activation_checkpointing, build_model
     from rsclip_ds.profiles import activation_checkpointing_enabled, derive_batch
     from rsclip_ds.progress import ProgressReporter
-    from rsclip_ds.report import build_summary, print_summary, write_summary
-    from rsclip_ds.train import train
+    from rsclip_ds.train import Preempted, train
 
     profile, ds_config = _prepare(run)
+    stop = StopFlag().install()
     info = init_distributed()
+    heartbeat = Heartbeat(info.rank, info.world_size, interval=run.faults.heartbeat_s,
+                          timeout=run.faults.peer_timeout_s).start()
     try:
         _configure_logging(info.rank)
         plan = derive_batch(run, info.world_size)
@@ -87,31 +91,76 @@ def run_training(run: RunConfig) -> dict | None:
             log.info("profile %s | precision %s | batch micro x accumulation x world = global: %s | "
                      "%.2fM parameters", profile.name, run.precision, plan, bundle.num_parameters() / 1e6)
         engine = build_engine(bundle.model, ds_config)
-        batches = iter(build_train_loader(
-            run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
-            image_mean=bundle.image_mean, image_std=bundle.image_std,
-            max_text_length=bundle.max_text_length, micro_batch_size=plan.micro,
-            rank=info.rank, world_size=info.world_size, seed=run.seed))
+        checkpointer = _build_checkpointer(run, info, bundle)
+        resume = checkpointer.load(engine, run.checkpoint.resume) if run.checkpoint.resume else None
+        loader = _build_loader(run, bundle, plan, info, resume)
         torch.manual_seed(run.seed + 1000 * info.rank)   # dropout / augmentation differ per rank
         reporter = ProgressReporter(run.steps, run.logging.progress, enabled=info.rank == 0)
         try:
             loss_fn = build_loss(run.loss.name, negatives=run.loss.negatives, rank=info.rank,
                                  world_size=info.world_size, chunk_size=run.loss.chunk_size)
-            result = train(engine, batches, loss_fn, plan, run.steps, run.logging.log_every,
-                           reporter, accumulation=run.batch.accumulation)
+            result = train(engine, iter(loader), loss_fn, plan, run.steps, run.logging.log_every,
+                           reporter, accumulation=run.batch.accumulation, hooks=hooks,
+                           checkpointer=checkpointer, guard=_build_guard(run, stop), loader=loader,
+                           resume=resume, stop_after=run.checkpoint.stop_after)
         finally:
             reporter.close()
-        if info.rank != 0:
-            return None
-        summary = build_summary(result, profile=profile, plan=plan, precision=run.precision,
-                                preset=run.model.preset, num_parameters=bundle.num_parameters(),
-                                activation_checkpointing=ac, loss=run.loss.name,
-                                negatives=run.loss.negatives, accumulation=run.batch.accumulation)
-        write_summary(summary, run.output_dir)
-        print_summary(summary)
+        summary = _finish(run, result, info.rank, profile, plan, bundle, ac)
+        if result.stopped:
+            raise Preempted(f"stopped by SIGTERM after step {len(result.losses)}; checkpoint "
+                            f"{result.checkpoints[-1] if result.checkpoints else '(none)'} saved; continue "
+                            f"with `rsclip-ds train ... --resume latest`")
         return summary
     finally:
+        heartbeat.close()
         destroy_distributed()
+
+
+def _build_checkpointer(run: RunConfig, info, bundle):
+    from functools import partial
+
+    from rsclip_ds.checkpoint import Checkpointer, checkpoint_root, write_hf_extras
+
+    extras = partial(write_hf_extras, model_config=bundle.model.config, tokenizer=bundle.tokenizer,
+                     image_size=bundle.image_size, mean=bundle.image_mean, std=bundle.image_std)
+    return Checkpointer(run.checkpoint, checkpoint_root(run.output_dir), rank=info.rank,
+                        world_size=info.world_size, run_config=run.model_dump(mode="json"),
+                        write_extras=extras, kill_in_save_at=run.faults.inject_kill_in_save_at_step)
+
+
+def _build_loader(run: RunConfig, bundle, plan, info, resume: dict | None):
+    from rsclip_ds.data import build_train_loader
+
+    return build_train_loader(
+        run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
+        image_mean=bundle.image_mean, image_std=bundle.image_std,
+        max_text_length=bundle.max_text_length, micro_batch_size=plan.micro,
+        rank=info.rank, world_size=info.world_size, seed=run.seed,
+        state=resume["data"] if resume else None)
+
+
+def _build_guard(run: RunConfig, stop):
+    from rsclip_ds.train import Guard
+
+    f = run.faults
+    return Guard(stop_requested=stop, stop_check_every=f.stop_check_every,
+                 max_nonfinite_steps=f.max_nonfinite_steps, check_nonfinite=run.precision != "fp16",
+                 inject_nan_at_step=f.inject_nan_at_step, inject_kill_at_step=f.inject_kill_at_step)
+
+
+def _finish(run: RunConfig, result, rank: int, profile, plan, bundle, ac: bool) -> dict | None:
+    """Rank 0 writes and prints the summary."""
+    from rsclip_ds.report import build_summary, print_summary, write_summary
+
+    if rank != 0:
+        return None
+    summary = build_summary(result, profile=profile, plan=plan, precision=run.precision,
+                            preset=run.model.preset, num_parameters=bundle.num_parameters(),
+                            activation_checkpointing=ac, loss=run.loss.name,
+                            negatives=run.loss.negatives, accumulation=run.batch.accumulation)
+    write_summary(summary, run.output_dir)
+    print_summary(summary)
+    return summary
 
 
 def _write_run_files(run: RunConfig, ds_config: dict) -> None:
@@ -122,6 +171,32 @@ def _write_run_files(run: RunConfig, ds_config: dict) -> None:
 
 
 # --------------------------------------------------------------------------- other commands
+
+def cmd_train(args) -> int:
+    """Exit codes (docs/checkpoints.md): 0 done, 2 bad config, 3 non-finite loss, 4 a rank died
+    (from the heartbeat thread), 75 stopped by SIGTERM after saving a checkpoint."""
+    from rsclip_ds.train import RunStopped
+
+    resume = [f"checkpoint.resume={args.resume}"] if args.resume else []
+    try:
+        run_training(load_config(args.config, args.set + resume))
+    except RunStopped as err:
+        print(f"rsclip-ds: {type(err).__name__}: {err}", file=sys.stderr)
+        return err.exit_code
+    return 0
+
+
+def cmd_export(args) -> int:
+    from rsclip_ds.checkpoint import export_hf
+
+    try:
+        out = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype)
+    except FileNotFoundError as err:
+        raise ConfigError(str(err)) from None
+    print(f"Hugging Face folder written to {out} ({args.dtype}, safetensors); load it with "
+          f"transformers.AutoModel.from_pretrained('{out}') or train from it with --set model.pretrained={out}")
+    return 0
+
 
 def cmd_make_synthetic(args) -> int:
     from rsclip_ds.synthetic import make_synthetic
@@ -189,7 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a config key, e.g. --set batch.micro_batch_size=8 (repeatable)")
         return p
 
-    with_config(sub.add_parser("train", help="train (under the deepspeed launcher or alone)"))
+    p = with_config(sub.add_parser("train", help="train (under the deepspeed launcher or alone)"))
+    p.add_argument("--resume", metavar="latest|TAG", help="continue from {output_dir}/checkpoints: "
+                   "'latest' or a tag like step00000040 (same as --set checkpoint.resume=...)")
+    p = sub.add_parser("export", help="write a Hugging Face folder (safetensors) from a checkpoint")
+    p.add_argument("checkpoint", help="run output_dir, its checkpoints/ folder, or a step######## folder")
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weight dtype (default fp32)")
     with_config(sub.add_parser("show-config", help="print the resolved config with every key's description"))
     sub.add_parser("profiles", help="list ds_profiles/")
     from rsclip_ds.plan_cli import add_plan_parser
@@ -220,8 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_strip_local_rank(sys.argv[1:] if argv is None else argv))
     try:
         if args.command == "train":
-            run_training(load_config(args.config, args.set))
-            return 0
+            return cmd_train(args)
+        if args.command == "export":
+            return cmd_export(args)
         from rsclip_ds.plan_cli import cmd_plan
 
         from rsclip_ds.evaluate import cmd_eval
@@ -232,3 +314,4 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"rsclip-ds: error: {err}", file=sys.stderr)
         return 2
+

@@ -147,6 +147,10 @@ class CheckpointConfig(_Strict):
     resume: Optional[str] = Field(
         None, description="Continue a run: 'latest' (the newest complete checkpoint in "
         "{output_dir}/checkpoints) or a tag such as 'step00000040'. Same as `train --resume`.")
+    stop_after: Optional[int] = Field(
+        None, ge=1, description="End this process after this optimizer step of the run (saving a "
+        "checkpoint, exit code 0), with the LR schedule of `steps` unchanged: for chains of jobs with "
+        "a bounded wall time. The next job continues with --resume latest.")
 
 
 class FaultConfig(_Strict):

@@ -61,6 +61,26 @@ def print_summary(summary: dict[str, Any]) -> None:
     ]
     if s.get("loss_scale") is not None:
         rows.append(("fp16 loss scale", f"{s['loss_scale']:g}"))
+    rows += _fault_rows(s)
     for row in rows:
         table.add_row(*row)
     Console().print(table)
+
+
+def _fault_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """Bad data, evaluations, checkpoints, resumes and pre-emption: shown when they happened."""
+    rows = []
+    bad = {k: v for k, v in s.get("bad_data", {}).items() if v}
+    if bad:
+        rows.append(("bad data skipped", ", ".join(f"{v} {k}" for k, v in bad.items()) + " (all ranks)"))
+    for ev in s.get("evals", [])[-3:]:
+        metrics = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                            for k, v in ev.items() if k != "step")
+        rows.append((f"eval @ step {ev['step']}", metrics))
+    if s.get("resumed_from"):
+        rows.append(("resumed", "at step " + ", ".join(str(x) for x in s["resumed_from"])))
+    if s.get("checkpoints"):
+        rows.append(("checkpoints", ", ".join(s["checkpoints"][-3:]) + " (newest last)"))
+    if s.get("stopped"):
+        rows.append(("stopped", f"{s['stopped']}: checkpoint saved, continue with --resume latest"))
+    return rows

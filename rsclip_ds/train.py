@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+import math
+import os
+import signal
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
+from rsclip_ds.checkpoint import tag_for
 from rsclip_ds.engine import engine_dtype, loss_scale
 from rsclip_ds.profiles import BatchPlan
 from rsclip_ds.progress import ProgressReporter
+
+log = logging.getLogger("rsclip_ds")
 
 
 def _inputs(engine, batch: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,27 +93,89 @@ def train_step_global(engine, batches: list[dict], loss_fn: Callable, dtype: tor
 @dataclass
 class TrainResult:
     # per optimizer step, mean over ranks; with 'global' accumulation the loss of the whole
-    # k x micro x world batch, with 'plain' the mean of the k micro-batch losses
+    # k x micro x world batch, with 'plain' the mean of the k micro-batch losses. A resumed run
+    # continues the saved history, so these cover the whole run.
     losses: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)      # learning rate used by each step
+    evals: list[dict] = field(default_factory=list)     # {"step": s, **metrics} from the hooks
     optimizer_steps: int = 0
     micro_steps: int = 0
     skipped_steps: int = 0                              # fp16 overflow steps
     loss_scale: float | None = None
-    seconds: float = 0.0
-    samples_per_s: float = 0.0                          # global samples/s after the first step
+    seconds: float = 0.0                                # this process's training time (all segments)
+    samples_per_s: float = 0.0                          # global samples/s after the first step of this segment
+    bad_data: dict[str, int] = field(default_factory=dict)   # bad samples skipped, sum over ranks
+    checkpoints: list[str] = field(default_factory=list)     # tags saved by this segment
+    resumed_from: list[int] = field(default_factory=list)    # steps this run was resumed at
+    stopped: str | None = None                          # 'sigterm' when pre-empted
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainResult":
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
-def _mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
-    """One collective per log window, not one host sync per step."""
-    values = values.float()
-    if dist.is_initialized() and dist.get_world_size() > 1:
+
+class RunStopped(RuntimeError):
+    """The run ended early on purpose; `exit_code` is the process exit status (docs/checkpoints.md)."""
+    exit_code = 1
+
+
+class NonFiniteLoss(RunStopped):
+    exit_code = 3
+
+
+class Preempted(RunStopped):
+    exit_code = 75   # EX_TEMPFAIL: try again (with --resume latest)
+
+
+@dataclass
+class Guard:
+    """The loop's fault handling: SIGTERM agreement, the non-finite stop, fault injection.
+
+    `stop_requested` is a flag set by the SIGTERM handler (cli.py installs it); every
+    `stop_check_every` steps the ranks agree on it with the log-window all-reduce."""
+    stop_requested: Callable[[], bool] = lambda: False
+    stop_check_every: int = 1
+    max_nonfinite_steps: int = 3
+    check_nonfinite: bool = True                        # off under fp16: the loss scaler skips those steps
+    inject_nan_at_step: int | None = None
+    inject_kill_at_step: int | None = None
+
+    def before_step(self, step: int, rank: int, world_size: int) -> None:
+        if self.inject_kill_at_step == step and rank == world_size - 1:
+            log.warning("fault injection: rank %d SIGKILLs itself at step %d", rank, step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def loss_hook(self, step: int, loss: torch.Tensor, rank: int) -> torch.Tensor:
+        if self.inject_nan_at_step is not None and step >= self.inject_nan_at_step and rank == 0:
+            return loss * float("nan")
+        return loss
+
+
+def _sync(pending: list[torch.Tensor], bad: dict[str, int], stop: bool) -> tuple[list[float], dict[str, int], bool]:
+    """One all-reduce per sync point: the pending losses (mean over ranks), the bad-data
+    counts (sum) and the stop flag (any rank). No host sync between sync points."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    values = torch.cat([torch.stack(pending).float().cpu(),
+                        torch.tensor([float(v) for v in bad.values()] + [float(stop)])])
+    if world > 1:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
-        values /= dist.get_world_size()
-    return values.cpu()
+    n = len(pending)
+    losses = (values[:n] / world).tolist()
+    counts = dict(zip(bad, (int(v) for v in values[n:-1].tolist())))
+    return losses, counts, bool(values[-1] > 0)
+
+
+def _nonfinite_run(losses: list[float]) -> int:
+    """Consecutive non-finite losses at the end of the history."""
+    n = 0
+    for value in reversed(losses):
+        if math.isfinite(value):
+            break
+        n += 1
+    return n
 
 
 def optimizer_step(engine, batches: Iterator[dict], loss_fn: Callable, plan: BatchPlan,
@@ -118,28 +187,104 @@ def optimizer_step(engine, batches: Iterator[dict], loss_fn: Callable, plan: Bat
     return torch.stack([train_step(engine, b, loss_fn, dtype) for b in micro]).mean()
 
 
+def client_state(step: int, result: TrainResult, data: dict | None) -> dict[str, Any]:
+    """What exact continuation needs besides DeepSpeed's own state, for this rank; the
+    Checkpointer gathers every rank's copy into the saved client state."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return {"step": step, "data": data, "rng": {"torch": torch.get_rng_state(), "cuda": cuda},
+            "result": result.to_dict()}
+
+
+def restore_client_state(state: dict[str, Any]) -> tuple[int, TrainResult]:
+    torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"] is not None:
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    result = TrainResult.from_dict(state["result"])
+    result.resumed_from.append(state["step"])
+    return state["step"], result
+
+
 def train(engine, batches: Iterator[dict], loss_fn: Callable, plan: BatchPlan, steps: int,
-          log_every: int, reporter: ProgressReporter, accumulation: str = "plain") -> TrainResult:
-    result, pending = TrainResult(), []
-    dtype = engine_dtype(engine)
+          log_every: int, reporter: ProgressReporter, accumulation: str = "plain", *,
+          hooks: Sequence[Callable[[int, Any], dict | None]] = (), checkpointer=None,
+          guard: Guard | None = None, loader=None, resume: dict | None = None,
+          stop_after: int | None = None) -> TrainResult:
+    """Steps `start+1 .. steps`. `hooks(step, engine)` run on every rank after each optimizer
+    step; the dicts they return are logged and kept in result.evals. `loader` (optional)
+    gives `state_dict()` for checkpoints and `bad_data()` for the counts; `resume` is this
+    rank's saved client state; `stop_after` ends the loop after that step (checkpoint saved).
+    Host syncs happen only at sync points (log, save, stop check)."""
+    guard = guard or Guard()
+    start, result = restore_client_state(resume) if resume else (0, TrainResult())
+    bad_local = (lambda: loader.bad_data()) if hasattr(loader, "bad_data") else dict
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dtype, pending, seconds_before = engine_dtype(engine), [], result.seconds
     t_start = t_first = time.perf_counter()
-    for step in range(1, steps + 1):
+    last = min(steps, stop_after or steps)   # stop_after ends this process early, same schedule
+    for step in range(start + 1, last + 1):
+        guard.before_step(step, rank, world)
         result.lrs.append(float(engine.get_lr()[0]))
-        pending.append(optimizer_step(engine, batches, loss_fn, plan, accumulation, dtype))
-        if step == 1:
+        loss = optimizer_step(engine, batches, loss_fn, plan, accumulation, dtype)
+        pending.append(guard.loss_hook(step, loss, rank))
+        if step == start + 1:
             t_first = time.perf_counter()   # excludes lazy init / first-call overheads
-        if step % log_every == 0 or step == steps:
-            result.losses += _mean_over_ranks(torch.stack(pending)).tolist()
-            pending = []
+        for hook in hooks:
+            metrics = hook(step, engine)
+            if metrics:
+                result.evals.append({"step": step, **metrics})
+                reporter.update(step, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+        save_due = checkpointer is not None and checkpointer.due(step, last)
+        if not (save_due or step % log_every == 0 or step % guard.stop_check_every == 0 or step == last):
+            continue
+        losses, result.bad_data, stop = _sync(pending, bad_local(), guard.stop_requested())
+        result.losses += losses
+        pending = []
+        _check_finite(result.losses, step, guard)
+        if step % log_every == 0 or step == last or stop:
             elapsed = time.perf_counter() - t_first
-            rate = plan.global_batch * (step - 1) / elapsed if step > 1 else float("nan")
-            reporter.update(step, {"loss": result.losses[-1], "lr": result.lrs[-1],
-                                   "samples/s": rate, "loss_scale": loss_scale(engine)})
+            rate = plan.global_batch * (step - start - 1) / elapsed if step > start + 1 else float("nan")
+            reporter.update(step, {"loss": result.losses[-1], "lr": result.lrs[-1], "samples/s": rate,
+                                   "loss_scale": loss_scale(engine), **_counts(engine, result)})
+        finite = not guard.check_nonfinite or all(math.isfinite(v) for v in losses)
+        if checkpointer is not None and (save_due or stop) and not finite:
+            log.warning("step %d: not saving a checkpoint, a loss since the last sync is not finite", step)
+        elif checkpointer is not None and (save_due or stop):
+            data = loader.state_dict() if hasattr(loader, "state_dict") else None
+            result.optimizer_steps, result.micro_steps = engine.global_steps, engine.micro_steps
+            result.seconds = seconds_before + time.perf_counter() - t_start
+            result.checkpoints.append(tag_for(step))
+            checkpointer.save(engine, step, client_state(step, result, data))
+        if stop:
+            result.stopped = "sigterm"
+            break
     end = time.perf_counter()
-    result.seconds = end - t_start
-    result.samples_per_s = plan.global_batch * (steps - 1) / (end - t_first) if steps > 1 else 0.0
+    result.seconds = seconds_before + end - t_start
+    done = len(result.losses) - start
+    result.samples_per_s = plan.global_batch * (done - 1) / (end - t_first) if done > 1 else 0.0
     result.optimizer_steps = engine.global_steps
     result.micro_steps = engine.micro_steps
     result.skipped_steps = int(getattr(engine, "skipped_steps", 0))
     result.loss_scale = loss_scale(engine)
     return result
+
+
+def _counts(engine, result: TrainResult) -> dict[str, int]:
+    """Skipped fp16 steps and bad samples, shown only when there are any."""
+    out = {f"bad {k}": v for k, v in result.bad_data.items() if v}
+    skipped = int(getattr(engine, "skipped_steps", 0))
+    if skipped:
+        out["skipped"] = skipped
+    return out
+
+
+def _check_finite(losses: list[float], step: int, guard: Guard) -> None:
+    if not guard.check_nonfinite:
+        return
+    run = _nonfinite_run(losses)
+    if run >= guard.max_nonfinite_steps:
+        first = len(losses) - run + 1
+        raise NonFiniteLoss(
+            f"loss is not finite for {run} consecutive steps ({first}..{len(losses)}; detected at step "
+            f"{step}); stopped without saving. The last good checkpoint is untouched: lower optim.lr, "
+            f"check the data, then resume with --resume latest")
