@@ -145,7 +145,8 @@ def _build_guard(run: RunConfig, stop):
     f = run.faults
     return Guard(stop_requested=stop, stop_check_every=f.stop_check_every,
                  max_nonfinite_steps=f.max_nonfinite_steps, check_nonfinite=run.precision != "fp16",
-                 inject_nan_at_step=f.inject_nan_at_step, inject_kill_at_step=f.inject_kill_at_step)
+                 inject_nan_at_step=f.inject_nan_at_step, inject_kill_at_step=f.inject_kill_at_step,
+                 inject_freeze_at_step=f.inject_freeze_at_step)
 
 
 def _finish(run: RunConfig, result, rank: int, profile, plan, bundle, ac: bool) -> dict | None:
@@ -279,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rsclip_ds.evaluate import add_eval_parser
 
     add_eval_parser(sub)
+    from rsclip_ds.shards import add_make_shards_parser
+
+    add_make_shards_parser(sub)
     p = sub.add_parser("make-synthetic", help="write synthetic remote-sensing image-caption shards")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--num-train", type=int, default=4096)
@@ -304,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "make-shards":
+            from rsclip_ds.shards import cmd_make_shards
+
+            return cmd_make_shards(args)
         from rsclip_ds.plan_cli import cmd_plan
 
         from rsclip_ds.evaluate import cmd_eval

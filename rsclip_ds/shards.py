@@ -1,0 +1,344 @@
+"""`rsclip-ds make-shards`: caption datasets as users have them -> webdataset shards + index.
+
+Three inputs (docs/data.md has examples):
+  --karpathy dataset_rsicd.json --images DIR    RSICD / UCM / Sydney / RSITMD caption JSON:
+                                                images[].filename, .split, .sentences[].raw
+  --table captions.csv|.jsonl [--images DIR]    one row per (image, caption); columns named by
+                                                --path-column / --caption-column [/ --split-column]
+  --folder DIR                                  images with sidecar captions (a.jpg + a.txt,
+                                                one caption per line)
+
+Every image becomes one sample ``{key}.{jpg|png|tif|...}`` + ``{key}.txt`` (all its captions,
+one per line; the loader draws one per epoch) + ``{key}.json`` ({"filename", "captions",
+"split"}). Shards close at --shard-size samples or --shard-bytes bytes, whichever comes first.
+``index.json`` in --out lists every shard with its sample count (merged with what other splits
+wrote there); ``{prefix}-report.json`` lists every input that was skipped and why
+("skipped_paths": {kind: ["path: reason", ...]}).
+
+Same input and options -> byte-identical shards: inputs keep their file order, tar members
+carry a fixed mtime/owner, and re-encoding is deterministic. Images are copied as they are, or
+re-encoded (--max-side, --format); .tif is read with PIL (8-bit RGB/L; convert multi-band
+GeoTIFFs to RGB first).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from PIL import Image
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from webdataset import TarWriter
+
+IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".tif", ".tiff", ".bmp")
+_MTIME = 946684800    # 2000-01-01: fixed member time, reproducible tars
+_EXT = {"jpeg": "jpg", "tiff": "tif"}
+_PIL_FORMAT = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
+
+
+@dataclass
+class Record:
+    """One image with all its captions, before reading."""
+    path: Path
+    captions: list[str]
+    split: str | None = None
+
+
+@dataclass
+class ShardReport:
+    samples: int = 0
+    shards: list[dict] = field(default_factory=list)          # [{"url", "num_samples", "bytes"}]
+    skipped: dict[str, list[str]] = field(default_factory=dict)  # kind -> paths
+
+    def skip(self, kind: str, path: str) -> None:
+        self.skipped.setdefault(kind, []).append(path)
+
+
+# --------------------------------------------------------------------------- readers
+
+def _captions(raw) -> list[str]:
+    items = raw if isinstance(raw, list) else [raw]
+    return [" ".join(str(c).split()) for c in items if c is not None and str(c).strip()]
+
+
+def read_karpathy(path: Path, images: Path, splits: set[str] | None) -> Iterator[Record]:
+    """RSICD-style caption JSON; ``filepath`` (COCO) is a sub-folder when present."""
+    data = json.loads(Path(path).read_text())
+    if "images" not in data:
+        raise ValueError(f"{path}: no 'images' list; a Karpathy caption JSON looks like "
+                         '{"images": [{"filename": ..., "split": ..., "sentences": [{"raw": ...}]}]}')
+    for entry in data["images"]:
+        split = entry.get("split")
+        if splits and split not in splits:
+            continue
+        folder = images / entry["filepath"] if entry.get("filepath") else images
+        yield Record(folder / entry["filename"], _captions([s.get("raw") for s in entry.get("sentences", [])]),
+                     split)
+
+
+def read_table(path: Path, images: Path | None, path_column: str, caption_column: str,
+               split_column: str | None, splits: set[str] | None) -> Iterator[Record]:
+    """CSV (header row) or JSONL; rows of one image are merged (first-appearance order)."""
+    path = Path(path)
+    root = images or path.parent
+    if path.suffix.lower() in (".jsonl", ".json"):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    else:
+        with path.open(newline="") as f:
+            rows = list(csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","))
+    for column in filter(None, (path_column, caption_column, split_column)):
+        if rows and column not in rows[0]:
+            raise ValueError(f"{path}: no column {column!r}; it has {sorted(rows[0])}. Name the columns "
+                             "with --path-column / --caption-column / --split-column")
+    merged: dict[str, Record] = {}
+    for row in rows:
+        split = row.get(split_column) if split_column else None
+        if splits and split not in splits:
+            continue
+        name = str(row[path_column])
+        rec = merged.setdefault(name, Record(root / name, [], split))
+        rec.captions += _captions(row.get(caption_column))
+    yield from merged.values()
+
+
+def read_folder(folder: Path) -> Iterator[Record]:
+    """Images under ``folder`` (sorted) with the captions of the sidecar .txt of the same stem."""
+    for path in sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in IMAGE_EXTS):
+        txt = path.with_suffix(".txt")
+        caps = _captions(txt.read_text(encoding="utf-8").splitlines()) if txt.is_file() else []
+        yield Record(path, caps, None)
+
+
+# --------------------------------------------------------------------------- images
+
+@dataclass(frozen=True)
+class Encoding:
+    max_side: int = 0          # 0: keep the size
+    format: str = "keep"       # keep | jpg | png | webp
+    quality: int = 95
+
+
+def load_image(path: Path, enc: Encoding) -> tuple[bytes, str]:
+    """-> (bytes, extension). Raises OSError/ValueError for unreadable files (decoded in full)."""
+    data = path.read_bytes()
+    ext = _EXT.get(path.suffix.lower().lstrip("."), path.suffix.lower().lstrip("."))
+    with Image.open(io.BytesIO(data)) as img:
+        img.load()
+        too_big = enc.max_side and max(img.size) > enc.max_side
+        if not too_big and enc.format in ("keep", ext):
+            return data, ext
+        out_ext = ("jpg" if ext not in _PIL_FORMAT else ext) if enc.format == "keep" else enc.format
+        img = img.convert("RGB") if img.mode not in ("RGB", "L") or out_ext == "jpg" else img
+        if too_big:
+            scale = enc.max_side / max(img.size)
+            img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))),
+                             Image.Resampling.LANCZOS)
+        buf = io.BytesIO()
+        kw = {"quality": enc.quality} if out_ext in ("jpg", "webp") else {}
+        img.save(buf, format=_PIL_FORMAT[out_ext], **kw)
+        return buf.getvalue(), out_ext
+
+
+def _prepare(args: tuple[Record, Encoding]) -> tuple[str, object]:
+    """Worker: ('ok', (bytes, ext)) or (kind, reason)."""
+    rec, enc = args
+    if not rec.captions:
+        return "missing_caption", "no caption"
+    if not rec.path.is_file():
+        return "missing_image", "no such file"
+    try:
+        return "ok", load_image(rec.path, enc)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+        return "unreadable_image", f"{type(err).__name__}: {err}"
+
+
+def _key(rec: Record, root: Path | None, used: set[str]) -> str:
+    """Sample key from the file name: no dots (webdataset splits at the first), unique."""
+    try:
+        rel = rec.path.relative_to(root) if root else Path(rec.path.name)
+    except ValueError:
+        rel = Path(rec.path.name)
+    key = re.sub(r"[^A-Za-z0-9_\-]", "_", str(rel.with_suffix("")).replace("/", "__"))
+    base, n = key, 1
+    while key in used:
+        key, n = f"{base}_{n}", n + 1
+    used.add(key)
+    return key
+
+
+# --------------------------------------------------------------------------- writing
+
+class _Shards:
+    """Numbered tars that close at max_count samples or max_bytes payload bytes."""
+
+    def __init__(self, out: Path, prefix: str, max_count: int, max_bytes: float):
+        self.out, self.prefix, self.max_count, self.max_bytes = out, prefix, max_count, max_bytes
+        self.writer, self.entries = None, []
+
+    def write(self, sample: dict, size: int) -> None:
+        cur = self.entries[-1] if self.entries else None
+        if cur is None or cur["num_samples"] >= self.max_count or (self.max_bytes and cur["bytes"] >= self.max_bytes):
+            self.close()
+            name = f"{self.prefix}-{len(self.entries):06d}.tar"
+            self.writer = TarWriter(str(self.out / name), encoder=False, mtime=_MTIME, user="", group="")
+            self.entries.append({"url": name, "num_samples": 0, "bytes": 0})
+            cur = self.entries[-1]
+        self.writer.write(sample)
+        cur["num_samples"] += 1
+        cur["bytes"] += size
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def _merge_index(out: Path, prefix: str, report: ShardReport, info: dict) -> dict:
+    """index.json in ``out``: this prefix's shards replace its old ones, other splits stay."""
+    path = out / "index.json"
+    index = json.loads(path.read_text()) if path.is_file() else {}
+    keep = [e for e in index.get("shards", []) if not e["url"].startswith(f"{prefix}-")]
+    index["shards"] = sorted(keep + report.shards, key=lambda e: e["url"])
+    index.setdefault("splits", {})[prefix] = info
+    path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return index
+
+
+def make_shards(records: Iterator[Record] | list[Record], out: str | Path, *, prefix: str = "train",
+                shard_size: int = 1000, shard_bytes: float = 0, encoding: Encoding = Encoding(),
+                root: Path | None = None, workers: int = 1, progress: bool = True,
+                console: Console | None = None) -> dict:
+    """Write shards of ``records`` into ``out``; returns this prefix's index entry with counts of
+    skipped inputs (every skipped path is in ``{out}/{prefix}-report.json``)."""
+    if shard_size < 1 or shard_bytes < 0:
+        raise ValueError(f"--shard-size must be >= 1 and --shard-bytes >= 0 (got {shard_size}, {shard_bytes})")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob(f"{prefix}-[0-9]*.tar"):
+        old.unlink()   # a rerun with a larger shard size must not leave stale shards behind
+    records = list(records)
+    report, used = ShardReport(), set()
+    shards = _Shards(out, prefix, shard_size, shard_bytes)
+    columns = [TextColumn("make-shards {task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[skipped]} skipped"), TimeRemainingColumn()]
+    pool = ProcessPoolExecutor(workers) if workers > 1 else None
+    try:
+        jobs = ((rec, encoding) for rec in records)
+        results = pool.map(_prepare, jobs, chunksize=16) if pool else map(_prepare, jobs)
+        with Progress(*columns, console=console, disable=not progress) as bar:
+            task = bar.add_task(prefix, total=len(records), skipped=0)
+            for rec, (status, value) in zip(records, results):
+                if status != "ok":
+                    report.skip(status, f"{rec.path}: {value}")
+                else:
+                    data, ext = value
+                    meta = {"filename": rec.path.name, "captions": rec.captions, "split": rec.split}
+                    sample = {"__key__": _key(rec, root, used), ext: data,
+                              "txt": "\n".join(rec.captions).encode("utf-8"),
+                              "json": json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")}
+                    shards.write(sample, sum(len(v) for k, v in sample.items() if k != "__key__"))
+                    report.samples += 1
+                bar.update(task, advance=1, skipped=sum(len(v) for v in report.skipped.values()))
+    finally:
+        shards.close()
+        if pool:
+            pool.shutdown()
+    report.shards = shards.entries
+    skipped = {k: len(v) for k, v in sorted(report.skipped.items())}
+    info = {"num_samples": report.samples, "num_shards": len(report.shards), "skipped": skipped,
+            "pattern": f"{prefix}-{{000000..{max(len(report.shards) - 1, 0):06d}}}.tar",
+            "captions": sum(len(r.captions) for r in records)}
+    (out / f"{prefix}-report.json").write_text(json.dumps(
+        {**info, "skipped_paths": dict(sorted(report.skipped.items()))}, indent=2, sort_keys=True) + "\n")
+    if report.samples == 0:
+        raise ValueError(f"no usable input for {prefix!r}: skipped {skipped or 'nothing (no input)'}; "
+                         f"see {out / f'{prefix}-report.json'} (check --images / the split / the columns)")
+    _merge_index(out, prefix, report, info)
+    return {**info, "shards": report.shards, "examples": {k: v[:5] for k, v in report.skipped.items()}}
+
+
+# --------------------------------------------------------------------------- CLI
+
+def add_make_shards_parser(sub) -> None:
+    p = sub.add_parser("make-shards", help="write webdataset shards from a caption JSON, a CSV/JSONL "
+                       "table or an image folder with .txt captions")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--karpathy", type=Path, help="Karpathy-style caption JSON (RSICD, UCM, Sydney, RSITMD)")
+    src.add_argument("--table", type=Path, help="CSV/TSV (header row) or JSONL of image path + caption")
+    src.add_argument("--folder", type=Path, help="image folder with a .txt caption file per image")
+    p.add_argument("--images", type=Path, help="image folder of --karpathy; root of relative --table "
+                   "paths (default: the table's folder)")
+    p.add_argument("--out", required=True, type=Path, help="output folder (shards, index.json, report)")
+    p.add_argument("--split", default=None, help="keep these splits, comma-separated (e.g. train or "
+                   "train,restval); default: all. Also the shard name prefix unless --prefix")
+    p.add_argument("--prefix", default=None, help="shard names {prefix}-000000.tar (default: the split, "
+                   "or 'train')")
+    p.add_argument("--path-column", default="path", help="--table: column with the image path")
+    p.add_argument("--caption-column", default="caption", help="--table: column with the caption")
+    p.add_argument("--split-column", default=None, help="--table: column with the split (for --split)")
+    p.add_argument("--shard-size", type=int, default=1000, help="samples per shard at most")
+    p.add_argument("--shard-bytes", type=float, default=0, help="payload bytes per shard at most "
+                   "(a shard closes after the sample that reaches it; 0: no limit), e.g. 1e9")
+    p.add_argument("--max-side", type=int, default=0, help="re-encode images whose longer side is "
+                   "above this (aspect kept); 0 copies them as they are")
+    p.add_argument("--format", default="keep", choices=["keep", "jpg", "png", "webp"],
+                   help="image format in the shards; 'keep' copies files (re-encoding only resized "
+                   "ones, .tif/.bmp as jpg)")
+    p.add_argument("--quality", type=int, default=95, help="JPEG/WebP quality when re-encoding")
+    p.add_argument("--workers", type=int, default=1, help="processes reading/re-encoding images "
+                   "(output is the same for any number)")
+
+
+def _records(args) -> tuple[list[Record], Path | None]:
+    splits = {s.strip() for s in args.split.split(",")} if args.split else None
+    if args.karpathy:
+        if args.images is None:
+            raise ValueError("--karpathy needs --images, the folder holding the images it names")
+        return list(read_karpathy(args.karpathy, args.images, splits)), args.images
+    if args.table:
+        if splits and not args.split_column:
+            raise ValueError("--split with --table needs --split-column naming the split column")
+        root = args.images or args.table.parent
+        return list(read_table(args.table, args.images, args.path_column, args.caption_column,
+                               args.split_column, splits)), root
+    return list(read_folder(args.folder)), args.folder
+
+
+def cmd_make_shards(args) -> int:
+    from rich.table import Table
+
+    from rsclip_ds.config import ConfigError
+
+    console = Console(stderr=True)
+    prefix = args.prefix or (args.split.split(",")[0] if args.split else "train")
+    try:
+        records, root = _records(args)
+        info = make_shards(records, args.out, prefix=prefix, shard_size=args.shard_size,
+                           shard_bytes=args.shard_bytes, root=root, workers=args.workers,
+                           encoding=Encoding(args.max_side, args.format, args.quality), console=console)
+    except (ValueError, OSError) as err:
+        raise ConfigError(str(err)) from None
+    table = Table(title=f"make-shards {prefix} -> {args.out}")
+    table.add_column("what")
+    table.add_column("count", justify="right")
+    table.add_row("samples written", str(info["num_samples"]))
+    table.add_row("shards", str(info["num_shards"]))
+    table.add_row("captions", str(info["captions"]))
+    for kind, n in info["skipped"].items():
+        table.add_row(f"skipped: {kind}", str(n))
+    console.print(table)
+    for kind, paths in info["examples"].items():
+        console.print(f"[yellow]skipped ({kind})[/yellow] e.g. " + "; ".join(paths[:3]))
+    if info["skipped"]:
+        console.print(f"every skipped input: {args.out / f'{prefix}-report.json'}")
+    print(json.dumps({"train_shards": str(args.out / info["pattern"]), "num_samples": info["num_samples"],
+                      "num_shards": info["num_shards"], "skipped": info["skipped"]}))
+    return 0
