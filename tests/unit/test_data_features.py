@@ -1,0 +1,157 @@
+"""Loader features: weighted sources, pipe: urls, RS5M / JSON member names, augmentations and
+normalisation, and shard counts from img2dataset stats."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from webdataset import TarWriter
+
+from rsclip_ds.config import DataConfig
+from rsclip_ds.data import Preprocess, build_epoch_plan, build_train_loader, shard_counts
+from tests.unit.test_data_resume import deadline, write_shards
+
+
+def _loader(spec, tok, **data):
+    cfg = DataConfig(**{"train_shards": spec, "num_workers": 0, "shuffle_buffer": 0, **data})
+    return build_train_loader(cfg, tokenizer=tok, image_size=8, image_mean=(0.0,) * 3, image_std=(1.0,) * 3,
+                              max_text_length=16, micro_batch_size=4, rank=0, world_size=1, seed=0,
+                              return_keys=True)
+
+
+def _keys(loader, n):
+    with deadline(60):
+        return [k for b in itertools.islice(iter(loader), n) for k in b["keys"]]
+
+
+def test_resampled_weights_set_the_mix_of_sources(tmp_path, tiny_tokenizer):
+    a = write_shards(tmp_path, [8, 8], prefix="a")
+    b = write_shards(tmp_path, [8, 8], prefix="b")
+    keys = _keys(_loader(f"{a}::{b}", tiny_tokenizer, policy="resampled", train_weights=[3, 1],
+                         epoch_batches=10), 100)
+    share_a = sum(k.startswith("a") for k in keys) / len(keys)
+    assert 0.5 < share_a < 0.95           # 50 shard draws of p=0.75
+    plan = build_epoch_plan(DataConfig(train_shards=f"{a}::{b}", policy="resampled", train_weights=[3, 1],
+                                       num_workers=0), micro_batch_size=4, world_size=1, seed=0)
+    draws = list(itertools.islice(plan.draw(0, 0, 0), 4000))
+    assert abs(sum("/a-" in u for u in draws) / 4000 - 0.75) < 0.025
+    assert len(set(draws)) == 4
+    assert plan.epoch_batches == 8        # 32 samples / (1 rank x 4): default from the counts
+
+
+def test_exact_weights_repeat_sources_per_epoch(tmp_path, tiny_tokenizer):
+    a = write_shards(tmp_path, [8], prefix="a")
+    b = write_shards(tmp_path, [8], prefix="b")
+    keys = _keys(_loader(f"{a}::{b}", tiny_tokenizer, train_weights=[2, 1]), 6)   # one epoch: 24 samples
+    assert Counter(k[0] for k in keys) == {"a": 16, "b": 8}
+    assert Counter(keys)["a0_000"] == 2
+    with pytest.raises(ValueError, match="whole number"):
+        _loader(f"{a}::{b}", tiny_tokenizer, train_weights=[1.5, 1])
+    with pytest.raises(ValueError, match="one non-negative weight per"):
+        _loader(f"{a}::{b}", tiny_tokenizer, train_weights=[1])
+
+
+def test_pipe_urls_are_read(tmp_path, tiny_tokenizer):
+    local = write_shards(tmp_path, [8, 8])
+    (tmp_path / "index.json").write_text(json.dumps({"shards": [
+        {"url": f"s-{i:02d}.tar", "num_samples": 8} for i in range(2)]}))
+    spec = f"pipe:cat {tmp_path}/s-00.tar::pipe:cat {tmp_path}/s-01.tar"
+    piped = _keys(_loader(spec, tiny_tokenizer, shard_index=str(tmp_path / "index.json")), 4)
+    assert sorted(piped) == sorted(_keys(_loader(local, tiny_tokenizer), 4))
+    with pytest.raises(ValueError, match="data.shard_index"):
+        _loader(spec, tiny_tokenizer)   # exact epochs need counts; pipes are not counted
+
+
+def test_rs5m_member_names_and_json_captions(tmp_path, tiny_tokenizer):
+    rng = np.random.default_rng(0)
+    with TarWriter(str(tmp_path / "rs5m.tar"), encoder=False, mtime=0) as sink:
+        for i in range(8):
+            buf = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(buf, "PNG")
+            sink.write({"__key__": f"r{i}", "img_content": buf.getvalue(), "img_name": b"x.png",
+                        "caption": f"caption {i}".encode(),
+                        "json": json.dumps({"captions": [f"json caption {i}", "other"]}).encode()})
+    keys = _keys(_loader(str(tmp_path / "rs5m.tar"), tiny_tokenizer), 2)   # defaults find them
+    assert sorted(keys) == [f"r{i}" for i in range(8)]
+    prep = Preprocess(8, ["img_content"], ["json"])
+    from rsclip_ds.data import _Counter, read_shard
+    sample = next(read_shard(str(tmp_path / "rs5m.tar"), _Counter({})))
+    draws = {prep(sample, random.Random(s), _Counter({}))[1] for s in range(20)}
+    assert draws == {"json caption 0", "other"}
+
+
+def _flat_image(w=32, h=16):
+    """Left half black, right half white, a red pixel block top-left."""
+    img = np.zeros((h, w, 3), np.uint8)
+    img[:, w // 2:] = 255
+    img[:4, :4] = (255, 0, 0)
+    return img
+
+
+def _encode(arr) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_flips_and_rotations_are_exact_transforms():
+    data = _encode(_flat_image(16, 16))
+    base = Preprocess(16, ["png"], ["txt"]).image(data, random.Random(0))
+    transforms = {"id": base, "h": base[:, ::-1], "v": base[::-1], "r90": np.rot90(base, 1),
+                  "r180": np.rot90(base, 2), "r270": np.rot90(base, 3)}
+    for flags in ({"hflip": True}, {"vflip": True}, {"rot90": True}):
+        prep = Preprocess(16, ["png"], ["txt"], **flags)
+        outs = [prep.image(data, random.Random(s)) for s in range(40)]
+        names = {next(n for n, t in transforms.items() if np.array_equal(o, t)) for o in outs}
+        want = {"hflip": {"id", "h"}, "vflip": {"id", "v"}, "rot90": {"id", "r90", "r180", "r270"}}
+        assert names == want[next(iter(flags))]
+
+
+def test_random_resized_crop_covers_the_asked_area():
+    arr = np.arange(64 * 64 * 3, dtype=np.uint32).reshape(64, 64, 3) % 251
+    data = _encode(arr.astype(np.uint8))
+    prep = Preprocess(16, ["png"], ["txt"], crop=(0.25, 0.25))
+    boxes = []
+    orig = Image.Image.resize
+
+    def spy(self, size, resample=None, box=None, **kw):
+        boxes.append(box)
+        return orig(self, size, resample, box, **kw)
+    Image.Image.resize = spy
+    try:
+        outs = [prep.image(data, random.Random(s)) for s in range(10)]
+    finally:
+        Image.Image.resize = orig
+    assert all(o.shape == (16, 16, 3) for o in outs)
+    areas = [(x1 - x0) * (y1 - y0) / (64 * 64) for x0, y0, x1, y1 in boxes]
+    assert all(0.2 < a < 0.3 for a in areas)
+    assert len({b[:2] for b in boxes}) > 5      # random positions
+
+
+def test_normalisation_uses_the_model_mean_and_std(tmp_path, tiny_tokenizer):
+    spec = write_shards(tmp_path, [8])
+    cfg = DataConfig(train_shards=spec, num_workers=0, shuffle_buffer=0)
+    kw = dict(tokenizer=tiny_tokenizer, image_size=8, max_text_length=16, micro_batch_size=4, rank=0,
+              world_size=1, seed=0)
+    raw = next(iter(build_train_loader(cfg, image_mean=(0, 0, 0), image_std=(1, 1, 1), **kw)))["pixel_values"]
+    mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)   # CLIP
+    norm = next(iter(build_train_loader(cfg, image_mean=mean, image_std=std, **kw)))["pixel_values"]
+    want = (raw - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    torch.testing.assert_close(norm, want)
+    assert raw.min() >= 0 and raw.max() <= 1 and raw.dtype == torch.float32
+
+
+def test_counts_from_img2dataset_stats_and_tar_headers(tmp_path):
+    spec = write_shards(tmp_path, [5, 7])
+    (tmp_path / "s-01_stats.json").write_text(json.dumps({"count": 9, "successes": 6}))
+    counts = shard_counts([str(tmp_path / "s-00.tar"), str(tmp_path / "s-01.tar")])
+    assert counts == {str(tmp_path / "s-00.tar"): 5, str(tmp_path / "s-01.tar"): 6}
+    assert spec.endswith("s-{00..01}.tar")
