@@ -171,6 +171,9 @@ class FaultConfig(_Strict):
     inject_kill_at_step: Optional[int] = Field(
         None, description="FAULT INJECTION for tests, never set in real runs: the last rank SIGKILLs "
         "itself at the start of this optimizer step.")
+    inject_freeze_at_step: Optional[int] = Field(
+        None, description="FAULT INJECTION for tests, never set in real runs: the last rank SIGSTOPs "
+        "itself at the start of this optimizer step (a hung host: its sockets stay open).")
     inject_kill_in_save_at_step: Optional[int] = Field(
         None, description="FAULT INJECTION for tests, never set in real runs: the last rank SIGKILLs "
         "itself inside the checkpoint save of this step, after writing its shards and before the "

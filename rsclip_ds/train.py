@@ -142,11 +142,15 @@ class Guard:
     check_nonfinite: bool = True                        # off under fp16: the loss scaler skips those steps
     inject_nan_at_step: int | None = None
     inject_kill_at_step: int | None = None
+    inject_freeze_at_step: int | None = None
 
     def before_step(self, step: int, rank: int, world_size: int) -> None:
-        if self.inject_kill_at_step == step and rank == world_size - 1:
-            log.warning("fault injection: rank %d SIGKILLs itself at step %d", rank, step)
-            os.kill(os.getpid(), signal.SIGKILL)
+        if rank != world_size - 1:
+            return
+        for at, sig in ((self.inject_kill_at_step, signal.SIGKILL), (self.inject_freeze_at_step, signal.SIGSTOP)):
+            if at == step:
+                log.warning("fault injection: rank %d sends itself %s at step %d", rank, sig.name, step)
+                os.kill(os.getpid(), sig)
 
     def loss_hook(self, step: int, loss: torch.Tensor, rank: int) -> torch.Tensor:
         if self.inject_nan_at_step is not None and step >= self.inject_nan_at_step and rank == 0:

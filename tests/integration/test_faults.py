@@ -1,0 +1,85 @@
+"""SIGTERM (pre-emption) and non-finite losses, with real 2-rank launches (tiny, fp32, ZeRO-2)."""
+
+from __future__ import annotations
+
+import math
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+import torch
+
+from rsclip_ds.checkpoint import META, consolidated_state_dict, read_pointer, tag_for
+from tests.integration.conftest import ROOT, deepspeed_cmd, free_port, launch_env, train_args
+from tests.integration.test_checkpoint_resume import RUN, launch_run, summary
+
+pytestmark = pytest.mark.slow
+
+
+def _rank_pid(launcher: subprocess.Popen, rank: int) -> int:
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        if f"--local_rank={rank}" in child.cmdline():
+            return child.pid
+    raise AssertionError(f"rank {rank} not found under the launcher")
+
+
+def test_sigterm_saves_on_every_rank_and_exits_75(launch_data, tmp_path):
+    """SIGTERM reaches one rank (the deepspeed launcher forwards it rank by rank); the ranks
+    agree on it through the sync-point all-reduce, save the same step, and exit with 75."""
+    out = tmp_path / "run"
+    cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port())]
+    cmd += train_args(launch_data, out, RUN + ["steps=400", "checkpoint.every=0", "faults.stop_check_every=1"])
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines, deadline = [], time.monotonic() + 300
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "rank0] step 4/400" in line:
+                break
+            assert time.monotonic() < deadline, "".join(lines[-50:])
+        else:
+            pytest.fail("".join(lines[-80:]))
+        psutil.Process(_rank_pid(proc, 0)).send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(lines) + rest
+    assert proc.returncode == 75, text[-4000:]
+    assert "received SIGTERM" in text and "Preempted: stopped by SIGTERM" in text
+    s = summary(out)
+    step = s["optimizer_steps"]
+    assert s["stopped"] == "sigterm" and 4 <= step < 400 and len(s["losses"]) == step
+    root = out / "checkpoints"
+    tag = tag_for(step)
+    assert read_pointer(root) == tag and (root / tag / META).is_file()
+    assert sorted(p.name for p in (root / tag).glob("zero_pp_rank_*_optim_states.pt")) == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+
+
+def test_repeated_nonfinite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(launch_data, tmp_path):
+    out = tmp_path / "run"
+    proc = launch_run(launch_data, out, "checkpoint.every=2", "faults.inject_nan_at_step=5",
+                      "faults.max_nonfinite_steps=2")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 3, text[-4000:]
+    assert "NonFiniteLoss: loss is not finite for 2 consecutive steps (5..6; detected at step 6)" in text
+    root = out / "checkpoints"
+    assert read_pointer(root) == "step00000004" and not (root / "step00000006").exists()
+    _, state = consolidated_state_dict(out)
+    assert all(torch.isfinite(t).all() for t in state.values())
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_fp16_supported(),
+                    reason="this processor has no fp16 support: DeepSpeed's CPU accelerator refuses fp16")
+def test_fp16_overflow_steps_are_skipped_counted_and_do_not_stop_the_run(launch_data, tmp_path):
+    out = tmp_path / "run"
+    proc = launch_run(launch_data, out, "precision=fp16", "fp16.initial_scale_power=32",
+                      "faults.max_nonfinite_steps=1")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    s = summary(out)
+    assert s["skipped_steps"] >= 1 and s["optimizer_steps"] == 8
+    assert math.isfinite(s["losses"][-1])

@@ -1,0 +1,122 @@
+"""Checkpoint bookkeeping without a process group: pointer, resolution, pruning, resume
+errors, the loop's non-finite rule and the history round trip."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from rsclip_ds.checkpoint import (META, POINTER, Checkpointer, complete_tags, read_pointer,
+                                  resolve_checkpoint, tag_for, weights_only_loads, _atomic_write)
+from rsclip_ds.config import CheckpointConfig, ConfigError, load_config
+from rsclip_ds.train import Guard, NonFiniteLoss, TrainResult, _check_finite, _nonfinite_run, _sync
+
+
+def _fake_run(tmp_path, steps=(4, 8, 12), incomplete=(16,), pointer=12):
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    for s in steps + incomplete:
+        (root / tag_for(s)).mkdir(parents=True)
+        (root / tag_for(s) / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    for s in steps:
+        (root / tag_for(s) / META).write_text(json.dumps({"step": s, "world_size": 2}))
+    if pointer:
+        (root / POINTER).write_text(tag_for(pointer) + "\n")
+    return out, root
+
+
+def test_tags_sort_by_step():
+    assert tag_for(40) == "step00000040" and sorted([tag_for(100), tag_for(20)]) == [tag_for(20), tag_for(100)]
+
+
+def test_resolve_checkpoint_accepts_output_dir_root_and_tag_folder(tmp_path):
+    out, root = _fake_run(tmp_path)
+    assert resolve_checkpoint(out) == (root, "step00000012")
+    assert resolve_checkpoint(root) == (root, "step00000012")
+    assert resolve_checkpoint(root / "step00000008") == (root, "step00000008")
+    with pytest.raises(FileNotFoundError, match="incomplete checkpoint"):
+        resolve_checkpoint(root / "step00000016")
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        resolve_checkpoint(tmp_path / "elsewhere")
+
+
+def test_atomic_write_replaces_and_leaves_no_temp_file(tmp_path):
+    _atomic_write(tmp_path / POINTER, "step00000004\n")
+    _atomic_write(tmp_path / POINTER, "step00000008\n")
+    assert read_pointer(tmp_path) == "step00000008"
+    assert [p.name for p in tmp_path.iterdir()] == [POINTER]
+
+
+def test_prune_keeps_the_newest_complete_and_newer_incomplete(tmp_path):
+    out, root = _fake_run(tmp_path, steps=(4, 8, 12), incomplete=(2, 16))
+    ck = Checkpointer(CheckpointConfig(keep_last=2), root, rank=0, world_size=2, run_config={})
+    ck._prune()
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step00000008", "step00000012", "step00000016"]
+    assert complete_tags(root) == ["step00000008", "step00000012"]
+
+
+def test_resume_names_what_exists(tmp_path):
+    _, root = _fake_run(tmp_path)
+    ck = Checkpointer(CheckpointConfig(), root, rank=0, world_size=2, run_config={})
+    assert ck.resolve_resume("latest") == "step00000012"
+    assert ck.resolve_resume("step00000004") == "step00000004"
+    with pytest.raises(ConfigError, match="complete ones: step00000004, step00000008, step00000012"):
+        ck.resolve_resume("step00000016")
+    with pytest.raises(ConfigError, match="expected 'latest' or a tag"):
+        ck.resolve_resume("last")
+    empty = Checkpointer(CheckpointConfig(), tmp_path / "none", rank=0, world_size=2, run_config={})
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        empty.resolve_resume("latest")
+
+
+def test_due_steps(tmp_path):
+    ck = Checkpointer(CheckpointConfig(every=4), tmp_path, rank=0, world_size=1, run_config={})
+    assert [s for s in range(1, 11) if ck.due(s, 10)] == [4, 8, 10]
+    ck = Checkpointer(CheckpointConfig(every=0, at_end=False), tmp_path, rank=0, world_size=1, run_config={})
+    assert not any(ck.due(s, 10) for s in range(1, 11))
+
+
+class Evil:   # any class outside the allow-list: unpickling it could run code
+    pass
+
+
+def test_weights_only_loads_refuses_arbitrary_objects(tmp_path):
+    torch.save({"x": torch.ones(2), "evil": Evil()}, tmp_path / "bad.pt")
+    torch.save({"x": torch.ones(2), "rng": torch.get_rng_state()}, tmp_path / "good.pt")
+    with weights_only_loads():
+        assert torch.load(tmp_path / "good.pt", weights_only=False)["x"].sum() == 2
+        with pytest.raises(Exception, match="Weights only load failed"):
+            torch.load(tmp_path / "bad.pt", weights_only=False)
+    assert torch.load is torch.serialization.load   # restored
+
+
+def test_nonfinite_rule():
+    nan, inf = float("nan"), float("inf")
+    assert _nonfinite_run([1.0, nan, 2.0, nan, inf]) == 2 and _nonfinite_run([1.0]) == 0
+    guard = Guard(max_nonfinite_steps=2)
+    _check_finite([1.0, nan, 2.0, nan], step=4, guard=guard)    # one in a row: keep going
+    with pytest.raises(NonFiniteLoss, match=r"2 consecutive steps \(4..5; detected at step 6\)"):
+        _check_finite([1.0, nan, 2.0, nan, inf], step=6, guard=guard)
+    _check_finite([nan] * 5, step=5, guard=Guard(check_nonfinite=False))   # fp16: the scaler's job
+
+
+def test_sync_on_one_process_means_losses_sums_counts_and_flags():
+    losses, bad, stop = _sync([torch.tensor(1.5), torch.tensor(2.5)], {"decode": 3, "caption": 0}, True)
+    assert losses == [1.5, 2.5] and bad == {"decode": 3, "caption": 0} and stop is True
+    assert _sync([torch.tensor(math.nan)], {}, False)[2] is False
+
+
+def test_train_result_round_trip_keeps_the_history():
+    r = TrainResult(losses=[3.0, 2.0], lrs=[0.0, 1e-3], evals=[{"step": 2, "r@1": 0.5}], resumed_from=[1])
+    back = TrainResult.from_dict(json.loads(json.dumps(r.to_dict())))
+    assert back == r
+
+
+def test_checkpoint_and_fault_keys_validate():
+    run = load_config(None, ["checkpoint.every=50", "checkpoint.resume=latest", "faults.peer_timeout_s=5"])
+    assert (run.checkpoint.every, run.checkpoint.resume, run.faults.peer_timeout_s) == (50, "latest", 5.0)
+    with pytest.raises(ConfigError, match="checkpoint.bogus: unknown key; allowed here: at_end, every"):
+        load_config(None, ["checkpoint.bogus=1"])
