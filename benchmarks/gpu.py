@@ -1,0 +1,242 @@
+"""Samples/s, MFU and peak memory of git-rsclip-base / -large on one GPU: bf16, ZeRO-2 and
+ZeRO-3, with and without activation checkpointing. No network, no shards (synthetic tensors).
+
+    python benchmarks/gpu.py --out benchmarks/results/gpu_h200.json
+
+One command, 8 configurations, under 8 minutes on an H200 (about 45 s each: start-up, engine,
+2 warm-up steps, then timed steps for --seconds). Each configuration runs in its own process
+(a fresh CUDA context, so peak memory is its own); one that fails or runs out of its time is
+recorded with the reason and the others go on. CPU smoke test (what the slow test runs):
+
+    DS_ACCELERATOR=cpu python benchmarks/gpu.py --model tiny --out /tmp/gpu_tiny.json
+
+Per configuration: samples/s (timed steps x micro / seconds, after warm-up, with a device sync
+at both ends), model FLOPs per sample (rsclip_ds.flops: 3 x the forward matmul FLOPs of both
+towers), MFU = FLOPs per sample x samples/s / peak bf16 FLOP/s of the device (989 TFLOP/s dense
+for H100/H200 SXM; --peak-tflops for others), HFU (counting the recomputed forward under
+activation checkpointing), and torch.cuda.max_memory_allocated over engine build + steps.
+The train step is rsclip_ds.train.train_step with the SigLIP loss (one rank: local = global).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+# micro-batch per GPU: activations ~75 MiB/sample (base) and ~243 MiB/sample (large) without
+# checkpointing (rsclip_ds.memory) -> ~19 / ~31 GB, beside 16 bytes/param of model states.
+MICRO = {"git-rsclip-base": 256, "git-rsclip-large": 128, "tiny": 8}
+
+
+@dataclass(frozen=True)
+class Case:
+    preset: str
+    profile: str
+    checkpointing: bool
+    micro: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.preset}/{self.profile}/{'ac' if self.checkpointing else 'no-ac'}/micro{self.micro}"
+
+
+def cases(models: list[str], profiles: list[str], ac: list[bool], micro: int | None) -> list[Case]:
+    return [Case(m, p, a, micro or MICRO.get(m, 8)) for m in models for p in profiles for a in ac]
+
+
+# --------------------------------------------------------------------------- one case (worker)
+
+def peak_flops(device_name: str, override_tflops: float | None) -> float | None:
+    if override_tflops:
+        return override_tflops * 1e12
+    for key, tflops in PEAK_BF16_TFLOPS.items():
+        if key in device_name:
+            return tflops * 1e12
+    return None
+
+
+def run_case(case: Case, precision: str, warmup: int, seconds: float, max_steps: int,
+             peak_tflops: float | None) -> dict:
+    """Build, warm up, time; -> the row. Runs inside its own process."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    from rsclip_ds.config import load_config
+    from rsclip_ds.distributed import destroy_distributed, init_distributed
+    from rsclip_ds.engine import build_engine, engine_dtype
+    from rsclip_ds.flops import flops_per_sample
+    from rsclip_ds.losses import build_loss
+    from rsclip_ds.model import apply_activation_checkpointing, new_dual_encoder, preset_config
+    from rsclip_ds.profiles import build_ds_config, load_profile
+    from rsclip_ds.train import train_step
+
+    info = init_distributed()
+    try:
+        acc = get_accelerator()
+        on_gpu = info.on_gpu
+        device = torch.device(acc.device_name(info.local_rank) if on_gpu else "cpu")
+        run = load_config(None, [f"precision={precision}", f"batch.micro_batch_size={case.micro}",
+                                 "steps=1000", "optim.warmup_steps=10", f"profile={case.profile}"])
+        ds_config = build_ds_config(run, load_profile(case.profile), info.world_size, on_gpu=on_gpu)
+        config = preset_config(case.preset)
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        with device:   # initialise the weights on the device: seconds, not a minute, for -large
+            model = new_dual_encoder(config, "siglip", seed=0)
+        if case.checkpointing:
+            apply_activation_checkpointing(model)
+        engine = build_engine(model, ds_config)
+        build_s = time.perf_counter() - t0
+        dtype = engine_dtype(engine)
+        loss_fn = build_loss("siglip", negatives="global", rank=info.rank, world_size=info.world_size)
+        v, t = config.vision_config, config.text_config
+        g = torch.Generator(device=engine.device).manual_seed(info.rank)
+        batch = {"pixel_values": torch.randn(case.micro, 3, v.image_size, v.image_size, device=engine.device,
+                                             generator=g).to(dtype),                          # (B,3,H,W)
+                 "input_ids": torch.randint(0, t.vocab_size, (case.micro, t.max_position_embeddings),
+                                            device=engine.device, generator=g)}               # (B,L)
+        for _ in range(warmup):
+            train_step(engine, batch, loss_fn, dtype)
+        acc.synchronize()
+        steps, t0 = 0, time.perf_counter()
+        while steps < max_steps and (steps == 0 or time.perf_counter() - t0 < seconds):
+            loss = train_step(engine, batch, loss_fn, dtype)
+            steps += 1
+        acc.synchronize()
+        elapsed = time.perf_counter() - t0
+        samples_per_s = steps * case.micro * info.world_size / elapsed
+        flops = flops_per_sample(config)
+        peak = peak_flops(acc.get_device_name() if on_gpu else "cpu", peak_tflops)
+        row = {"case": case.name, **asdict(case), "precision": precision, "ok": True,
+               "device": acc.get_device_name() if on_gpu else "cpu", "world_size": info.world_size,
+               "parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
+               "build_s": build_s, "timed_steps": steps, "elapsed_s": elapsed,
+               "samples_per_s": samples_per_s, "step_ms": 1e3 * elapsed / steps,
+               "flops_per_sample": flops.to_dict(),
+               "achieved_tflops": flops.train() * samples_per_s / 1e12,
+               "peak_tflops": peak / 1e12 if peak else None,
+               "mfu": flops.train() * samples_per_s / peak if peak else None,
+               "hfu": flops.train(case.checkpointing, hardware=True) * samples_per_s / peak if peak else None,
+               "peak_memory_bytes": torch.cuda.max_memory_allocated() if on_gpu else None,
+               "final_loss": float(loss)}
+        return row
+    finally:
+        destroy_distributed()
+
+
+# --------------------------------------------------------------------------- driver
+
+def run_in_process(case: Case, args, timeout: float) -> dict:
+    """One case in a fresh Python process; a crash or a timeout becomes a row with the reason."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "row.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(result),
+               "--model", case.preset, "--profiles", case.profile, "--ac", "on" if case.checkpointing else "off",
+               "--micro", str(case.micro), "--precision", args.precision, "--warmup", str(args.warmup),
+               "--seconds", str(args.seconds), "--max-steps", str(args.max_steps)]
+        if args.peak_tflops:
+            cmd += ["--peak-tflops", str(args.peak_tflops)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_PORT"):
+            env.pop(key, None)   # each case makes its own one-rank group
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"case": case.name, **asdict(case), "ok": False,
+                    "error": f"timed out after {timeout:.0f}s (raise --case-timeout)"}
+        if proc.returncode != 0 or not result.is_file():
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+            return {"case": case.name, **asdict(case), "ok": False, "error": f"exit {proc.returncode}",
+                    "output_tail": tail}
+        row = json.loads(result.read_text())
+        row["process_s"] = time.perf_counter() - t0
+        return row
+
+
+def print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{report['environment']['device']}, {report['config']['precision']}, one rank")
+    for col in ("case", "samples/s", "step ms", "TFLOP/s", "MFU", "HFU", "peak GiB", "note"):
+        table.add_column(col, justify="right")
+    for r in report["cases"]:
+        if not r["ok"]:
+            table.add_row(r["case"], "-", "-", "-", "-", "-", "-", r["error"])
+            continue
+        pct = (lambda x: f"{100 * x:.1f}%" if x is not None else "-")
+        mem = r["peak_memory_bytes"]
+        table.add_row(r["case"], f"{r['samples_per_s']:.1f}", f"{r['step_ms']:.1f}", f"{r['achieved_tflops']:.2f}",
+                      pct(r["mfu"]), pct(r["hfu"]), f"{mem / 2**30:.1f}" if mem else "-", "")
+    Console(width=160).print(table)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON path")
+    parser.add_argument("--model", nargs="*", default=["git-rsclip-base", "git-rsclip-large"],
+                        help="presets (tiny: the CPU smoke test)")
+    parser.add_argument("--profiles", nargs="*", default=["zero2", "zero3"])
+    parser.add_argument("--ac", nargs="*", default=["off", "on"], choices=["off", "on"],
+                        help="activation checkpointing settings to run")
+    parser.add_argument("--micro", type=int, default=None, help="micro-batch (default per preset: MICRO)")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps")
+    parser.add_argument("--seconds", type=float, default=15.0, help="timed seconds per case (at least one step)")
+    parser.add_argument("--max-steps", type=int, default=50, help="timed steps at most per case")
+    parser.add_argument("--case-timeout", type=float, default=120.0, help="seconds before a case's process is killed")
+    parser.add_argument("--total-budget", type=float, default=450.0,
+                        help="seconds for all cases; cases that would start after it are skipped")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU if not in PEAK_BF16_TFLOPS")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        case = cases(args.model, args.profiles, [a == "on" for a in args.ac], args.micro)[0]
+        row = run_case(case, args.precision, args.warmup, args.seconds, args.max_steps, args.peak_tflops)
+        args.out.write_text(json.dumps(row))
+        return 0
+    import torch
+
+    t0 = time.perf_counter()
+    rows = []
+    todo = cases(args.model, args.profiles, [a == "on" for a in args.ac], args.micro)
+    for i, case in enumerate(todo):
+        left = args.total_budget - (time.perf_counter() - t0)
+        if left < 20:
+            rows.append({"case": case.name, **asdict(case), "ok": False,
+                         "error": f"skipped: --total-budget {args.total_budget:.0f}s used up"})
+            continue
+        row = run_in_process(case, args, min(args.case_timeout, left))
+        rows.append(row)
+        status = f"{row['samples_per_s']:.1f} samples/s" if row["ok"] else row["error"]
+        print(f"[{i + 1}/{len(todo)}] {case.name}: {status} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    report = {"config": {"models": args.model, "profiles": args.profiles, "ac": args.ac, "precision": args.precision,
+                         "warmup": args.warmup, "seconds": args.seconds, "max_steps": args.max_steps},
+              "environment": {"torch": torch.__version__, "device": device, "python": sys.version.split()[0]},
+              "cases": rows, "seconds": time.perf_counter() - t0}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print_table(report)
+    print(f"wrote {args.out} in {report['seconds']:.0f}s")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
