@@ -292,8 +292,13 @@ class Embedder:
         padded[:len(mine)] = mine
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(parts, padded)
-        # (W, P, D) -> (P, W, D): row p of rank r is item p * W + r
-        return torch.stack(parts).transpose(0, 1).reshape(-1, dim)[:total].cpu()
+        return interleave_ranks(parts, total).cpu()
+
+
+def interleave_ranks(parts: list[torch.Tensor], total: int) -> torch.Tensor:
+    """Rank r's rows (items r, r + W, ..., zero-padded to P rows) -> (total, D) in item order."""
+    # (W, P, D) -> (P, W, D): row p of rank r is item p * W + r
+    return torch.stack(parts).transpose(0, 1).reshape(-1, parts[0].shape[1])[:total]
 
 
 def class_embeddings(text_emb: torch.Tensor, num_classes: int, num_templates: int) -> torch.Tensor:
@@ -393,7 +398,7 @@ def build_eval_hook(run, bundle: ModelBundle, rank: int, world_size: int):
     def hook(step: int, engine) -> dict | None:
         if step % cfg.every and step != run.steps:
             return None
-        was_training = engine.training
+        was_training = engine.module.training
         engine.eval()
         try:
             embedder = Embedder(engine, bundle, cfg.batch_size, rank, world_size,
@@ -454,14 +459,33 @@ def _load_for_eval(args, loss: str = "siglip"):
         return bundle, None, EvalConfig(), Path("eval") / f"{args.model.resolve().name}.json", None
     from rsclip_ds.checkpoint import consolidated_state_dict, resolve_checkpoint
 
-    root, tag = resolve_checkpoint(args.checkpoint)
-    run, state = consolidated_state_dict(args.checkpoint)
-    bundle = build_model(run.model, run.seed, loss=run.loss.name)
+    try:
+        root, tag = resolve_checkpoint(args.checkpoint)
+        run, state = consolidated_state_dict(Path(root) / tag)
+    except FileNotFoundError as err:
+        raise ConfigError(str(err)) from None
+    hf = Path(root) / tag / "hf"   # the checkpoint's own model config + tokenizer, when it has them
+    bundle = _bundle_from_hf_folder(hf, run.loss.name) if (hf / "config.json").is_file() else \
+        build_model(run.model, run.seed, loss=run.loss.name)
     bundle.model.load_state_dict(state)
     step = int(m.group(1)) if (m := re.fullmatch(r"step(\d+)", str(tag))) else None
     ds_path = Path(root).parent / "ds_config.json"
     ds_config = json.loads(ds_path.read_text()) if ds_path.is_file() else None
     return bundle, step, run.eval, Path(root).parent / "eval" / f"{tag}.json", ds_config
+
+
+def _bundle_from_hf_folder(folder: Path, loss: str) -> ModelBundle:
+    """A randomly initialised model with the folder's architecture, tokenizer and normalisation
+    (the weights come from the checkpoint): independent of the run's original paths."""
+    from transformers import SiglipConfig, SiglipImageProcessorPil
+
+    from rsclip_ds.model import load_tokenizer, new_dual_encoder
+
+    model = new_dual_encoder(SiglipConfig.from_pretrained(str(folder)), loss)
+    proc = SiglipImageProcessorPil.from_pretrained(str(folder))
+    vc, tc = model.config.vision_config, model.config.text_config
+    return ModelBundle(model, load_tokenizer(folder), vc.image_size, tuple(proc.image_mean),
+                       tuple(proc.image_std), tc.max_position_embeddings)
 
 
 def cmd_eval(args) -> int:
