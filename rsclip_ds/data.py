@@ -357,40 +357,91 @@ def read_shard(url: str, counter: _Counter) -> Iterator[dict]:
         report("unreadable_shard", url, str(err))
         counter.closed = counter.opened
         return
+    status = [None, ""]    # (kind, detail) set by _tar_samples when the tar ends badly
     try:
-        yield from _tar_samples(url, stream, report)
-        counter.closed = counter.opened   # not when the consumer stopped early (GeneratorExit)
-    finally:
+        yield from _tar_samples(url, stream, status)
+    finally:   # also when the consumer stopped early (GeneratorExit): then nothing is reported
         try:
             stream.close()
-        except OSError:   # a pipe: command killed because we stopped reading early
-            pass
+        except OSError as err:   # a pipe: command that failed (or was killed when we stopped early)
+            if status[0] in (None, "empty_shard"):
+                status[:] = ["unreadable_shard", str(err)]
+    if status[0] is not None:
+        report(status[0], url, status[1])
+    counter.closed = counter.opened
 
 
-def _tar_samples(url: str, stream, report) -> Iterator[dict]:
+def _tar_samples(url: str, stream, status: list) -> Iterator[dict]:
+    """Group tar members into samples by key. A plain ustar/GNU/pax reader: ~5x less Python
+    per member than tarfile's stream mode, which matters next to a 2 ms JPEG decode."""
     sample, yielded = None, 0
     try:
-        with tarfile.open(fileobj=stream, mode="r|*") as tar:
-            for member in tar:
-                key, ext = _split_member(member.name)
-                if not member.isfile() or ext is None:
-                    continue
-                data = tar.extractfile(member).read()
-                if sample is not None and sample["__key__"] != key:
-                    yielded += 1
-                    yield sample
-                    sample = None
-                if sample is None:
-                    sample = {"__key__": key, "__url__": url}
-                sample[ext] = data
+        for name, data in _tar_members(stream):
+            key, ext = _split_member(name)
+            if ext is None:
+                continue
+            if sample is not None and sample["__key__"] != key:
+                yielded += 1
+                yield sample
+                sample = None
+            if sample is None:
+                sample = {"__key__": key, "__url__": url}
+            sample[ext] = data
         if sample is not None:
             yielded += 1
             yield sample
         elif yielded == 0:
-            report("empty_shard", url, "no samples")
-    except (tarfile.TarError, EOFError, OSError) as err:
+            status[:] = ["empty_shard", "no samples"]
+    except (tarfile.TarError, EOFError, OSError, ValueError) as err:
         # the sample being read when the tar broke is dropped with it
-        report("truncated_tar" if yielded or sample else "unreadable_shard", url, f"{type(err).__name__}: {err}")
+        status[:] = ["truncated_tar" if yielded or sample else "unreadable_shard", f"{type(err).__name__}: {err}"]
+
+
+def _read_exactly(stream, n: int) -> bytes:
+    data = stream.read(n)
+    while len(data) < n:    # pipes and sockets return short reads
+        more = stream.read(n - len(data))
+        if not more:
+            raise EOFError(f"unexpected end of data ({len(data)} of {n} bytes)")
+        data += more
+    return data
+
+
+def _tar_members(stream) -> Iterator[tuple[str, bytes]]:
+    """(name, data) of the regular files in a tar stream; raises on a broken or truncated tar."""
+    long_name = None
+    while True:
+        header = stream.read(512)
+        if len(header) < 512:
+            if not header:
+                return          # end without the zero blocks (still a complete tar for us)
+            header += _read_exactly(stream, 512 - len(header))
+        if header.count(0) == 512:
+            return              # end-of-archive block
+        if sum(header[:148]) + 256 + sum(header[156:]) != int(header[148:156].strip(b"\0 ") or b"-1", 8):
+            raise tarfile.ReadError("bad tar header checksum (not a tar file, or corrupt)")
+        size_field = header[124:136]
+        size = int.from_bytes(size_field[1:], "big") if size_field[0] & 0x80 else int(size_field.strip(b"\0 ") or b"0", 8)
+        kind = header[156:157]
+        data = _read_exactly(stream, size) if size else b""
+        if size % 512:
+            _read_exactly(stream, 512 - size % 512)
+        if kind == b"L":                                     # GNU long name of the next member
+            long_name = data.rstrip(b"\0").decode("utf-8")
+        elif kind == b"x":                                   # pax header: path= overrides the name
+            for record in data.decode("utf-8").split("\n"):
+                _, _, kv = record.partition(" ")
+                if kv.startswith("path="):
+                    long_name = kv[5:]
+        elif kind in (b"0", b"\0", b"7"):
+            name = header[:100].rstrip(b"\0").decode("utf-8")
+            prefix = header[345:500].rstrip(b"\0") if header[257:262] == b"ustar" else b""
+            if prefix:
+                name = prefix.decode("utf-8") + "/" + name
+            yield (long_name or name), data
+            long_name = None
+        else:                                                # directories, links, global pax: skip
+            long_name = None if kind != b"g" else long_name
 
 
 def _shuffled(src: Iterator[dict], bufsize: int, rng: random.Random) -> Iterator[dict]:
@@ -439,7 +490,9 @@ class Preprocess:
         # JPEG: decode at the smallest 1/2^k scale still >= what the crop needs (~2x faster)
         need = self.size if self.crop is None else int(np.ceil(self.size / np.sqrt(self.crop[0])))
         img.draft("RGB", (need, need))
-        img = img.convert("RGB")   # decodes: a corrupt file raises here
+        img.load()                 # decodes: a corrupt file raises here
+        if img.mode != "RGB":      # (JPEG drafts decode straight to RGB: no copy then)
+            img = img.convert("RGB")
         box = None
         if self.crop is not None:
             w, h = img.size
@@ -593,15 +646,21 @@ class Collate:
 
     def __init__(self, tokenizer, max_text_length: int, micro: int, mean, std, return_keys: bool = False):
         self.tokenizer, self.max_text_length, self.micro = tokenizer, max_text_length, micro
-        std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
-        self.scale = 1.0 / (255.0 * std)                                         # x/255 - mean) / std
-        self.shift = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1) / std
+        std = np.asarray(std, np.float32).reshape(1, 3, 1, 1)
+        self.scale = (1.0 / (255.0 * std)).astype(np.float32)                 # (x/255 - mean) / std
+        self.shift = (-np.asarray(mean, np.float32).reshape(1, 3, 1, 1) / std).astype(np.float32)
         self.return_keys = return_keys
 
     def __call__(self, items: list[tuple]) -> dict:
-        pixels = torch.from_numpy(np.stack([it[0] for it in items]))            # (B, S, S, 3) uint8
-        pixels = pixels.permute(0, 3, 1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-        batch = {"pixel_values": pixels.mul_(self.scale).sub_(self.shift),      # (B, 3, S, S)
+        # numpy: one pass uint8 -> scaled float32, one add (this CPU's torch takes ~1.3x longer)
+        pixels = np.ascontiguousarray(np.stack([it[0] for it in items]).transpose(0, 3, 1, 2))  # (B,3,S,S) u8
+        tensor = torch.empty(pixels.shape, dtype=torch.float32)
+        if get_worker_info() is not None:   # written once, straight into the memory the main process maps
+            tensor.share_memory_()
+        out = tensor.numpy()
+        np.multiply(pixels, self.scale, out=out, casting="unsafe")
+        out += self.shift
+        batch = {"pixel_values": tensor,                                          # (B, 3, S, S)
                  "input_ids": tokenize(self.tokenizer, [it[1] for it in items], self.max_text_length)}
         if self.return_keys:
             batch["keys"] = [it[2] for it in items]

@@ -155,3 +155,28 @@ def test_counts_from_img2dataset_stats_and_tar_headers(tmp_path):
     counts = shard_counts([str(tmp_path / "s-00.tar"), str(tmp_path / "s-01.tar")])
     assert counts == {str(tmp_path / "s-00.tar"): 5, str(tmp_path / "s-01.tar"): 6}
     assert spec.endswith("s-{00..01}.tar")
+
+
+@pytest.mark.parametrize("fmt", ["pax", "gnu", "ustar"])
+def test_tar_reader_matches_tarfile_for_every_format(tmp_path, fmt):
+    import tarfile
+
+    from rsclip_ds.data import _Counter, read_shard
+    path = tmp_path / f"{fmt}.tar"
+    fmts = {"pax": tarfile.PAX_FORMAT, "gnu": tarfile.GNU_FORMAT, "ustar": tarfile.USTAR_FORMAT}
+    long_dir = "d" * 90 if fmt == "ustar" else "d" * 150   # ustar: a long name goes in the prefix field
+    with tarfile.open(path, "w", format=fmts[fmt]) as tar:
+        tar.addfile(tarfile.TarInfo("folder"), None)
+        for i, (name, size) in enumerate([("a.jpg", 5), ("a.txt", 0), (f"{long_dir}/b.jpg", 1000),
+                                          (f"{long_dir}/b.txt", 512)]):
+            info = tarfile.TarInfo(name)
+            info.size = size
+            tar.addfile(info, io.BytesIO(bytes([i]) * size))
+    counter = _Counter({})
+    got = list(read_shard(str(path), counter))
+    assert [(s["__key__"], {k: len(v) for k, v in s.items() if not k.startswith("__")}) for s in got] == \
+        [("a", {"jpg": 5, "txt": 0}), (f"{long_dir}/b", {"jpg": 1000, "txt": 512})]
+    assert got[1]["jpg"] == bytes([2]) * 1000 and not any(counter.bad.values())
+    (tmp_path / "not.tar").write_bytes(b"hello" * 300)
+    assert list(read_shard(str(tmp_path / "not.tar"), counter)) == []
+    assert counter.bad["unreadable_shard"] == 1
