@@ -493,14 +493,17 @@ def cmd_eval(args) -> int:
     from rsclip_ds.cli import _configure_logging
     from rsclip_ds.distributed import destroy_distributed, init_distributed
 
+    # everything that can fail (paths, checkpoint, data sets) before a process group exists
+    bundle, step, base, default_out, ds_config = _load_for_eval(args)
+    cfg = _eval_config(args, base)
+    sets = EvalSets.from_config(cfg)
+    if args.ds_config is not None:
+        if not args.ds_config.is_file():
+            raise ConfigError(f"--ds-config {args.ds_config}: file not found")
+        ds_config = json.loads(args.ds_config.read_text())
     info = init_distributed()
     try:
         _configure_logging(info.rank)
-        bundle, step, base, default_out, ds_config = _load_for_eval(args)
-        cfg = _eval_config(args, base)
-        sets = EvalSets.from_config(cfg)
-        if args.ds_config is not None:
-            ds_config = json.loads(args.ds_config.read_text())
         device = torch.device("cpu")
         if info.on_gpu:
             from deepspeed.accelerator import get_accelerator

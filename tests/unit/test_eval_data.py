@@ -144,3 +144,17 @@ def test_embedding_does_not_depend_on_batch_size(synth, tmp_path):
     b = Embedder(bundle.model.eval(), bundle, 5, progress=False).embed(cs.image_paths, cs.captions, "x")
     assert a[0].shape == (24, 64) and a[1].shape == (96, 64)
     assert torch.allclose(a[0], b[0], atol=1e-5) and torch.allclose(a[1], b[1], atol=1e-5)
+
+
+def test_cli_make_synthetic_eval_and_eval_errors(tmp_path, capsys):
+    from rsclip_ds.cli import main
+
+    assert main(["make-synthetic", "--out", str(tmp_path / "s"), "--num-train", "8", "--num-val", "5",
+                 "--shard-size", "8", "--eval"]) == 0
+    assert len(load_caption_json(tmp_path / "s/eval/captions.json").image_paths) == 5
+    assert len(load_class_folders(tmp_path / "s/eval/classes").paths) == 5
+    # a wrong path fails with exit 2 and the fix, before any process group starts
+    assert main(["eval", "--checkpoint", str(tmp_path / "nothing")]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+    assert main(["eval", "--model", str(tmp_path / "s")]) == 2
+    assert "not a Hugging Face model folder" in capsys.readouterr().err
