@@ -160,8 +160,9 @@ class FaultConfig(_Strict):
         "longest stall of a healthy rank's Python thread (a checkpoint write does not stall it).")
     heartbeat_s: float = Field(2.0, gt=0, description="Seconds between heartbeats (a background thread per rank).")
     stop_check_every: int = Field(
-        1, ge=1, description="Optimizer steps between the all-reduce that makes every rank agree to "
-        "stop after SIGTERM (one 1-element all-reduce; raise it if that shows in profiles).")
+        10, ge=1, description="Optimizer steps between the sync points where the ranks agree to stop "
+        "after SIGTERM. A sync point is one small all-reduce and a host sync; the log steps are sync "
+        "points anyway, so a divisor of logging.log_every adds nothing, 1 adds one sync per step.")
     max_nonfinite_steps: int = Field(
         3, ge=1, description="bf16/fp32: stop the run (exit code 3) after this many consecutive "
         "optimizer steps with a non-finite loss; no checkpoint is written from non-finite weights.")

@@ -137,7 +137,7 @@ class Guard:
     `stop_requested` is a flag set by the SIGTERM handler (cli.py installs it); every
     `stop_check_every` steps the ranks agree on it with the log-window all-reduce."""
     stop_requested: Callable[[], bool] = lambda: False
-    stop_check_every: int = 1
+    stop_check_every: int = 10
     max_nonfinite_steps: int = 3
     check_nonfinite: bool = True                        # off under fp16: the loss scaler skips those steps
     inject_nan_at_step: int | None = None
