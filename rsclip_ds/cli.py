@@ -175,7 +175,9 @@ def _write_run_files(run: RunConfig, ds_config: dict) -> None:
 
 def cmd_train(args) -> int:
     """Exit codes (docs/checkpoints.md): 0 done, 2 bad config, 3 non-finite loss, 4 a rank died
-    (from the heartbeat thread), 75 stopped by SIGTERM after saving a checkpoint."""
+    (from the heartbeat thread), 5 too much bad data, 75 stopped by SIGTERM after saving a
+    checkpoint."""
+    from rsclip_ds.data import DataError
     from rsclip_ds.train import RunStopped
 
     resume = [f"checkpoint.resume={args.resume}"] if args.resume else []
@@ -184,6 +186,9 @@ def cmd_train(args) -> int:
     except RunStopped as err:
         print(f"rsclip-ds: {type(err).__name__}: {err}", file=sys.stderr)
         return err.exit_code
+    except DataError as err:
+        print(f"rsclip-ds: DataError: {err}", file=sys.stderr)
+        return 5
     return 0
 
 
