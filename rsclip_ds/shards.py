@@ -42,6 +42,7 @@ IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".tif", ".tiff", ".bmp")
 _MTIME = 946684800    # 2000-01-01: fixed member time, reproducible tars
 _EXT = {"jpeg": "jpg", "tiff": "tif"}
 _PIL_FORMAT = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
+_LOADER_EXTS = ("jpg", "png", "webp", "tif")   # in data.image_key's default
 
 
 @dataclass
@@ -133,9 +134,12 @@ def load_image(path: Path, enc: Encoding) -> tuple[bytes, str]:
     with Image.open(io.BytesIO(data)) as img:
         img.load()
         too_big = enc.max_side and max(img.size) > enc.max_side
-        if not too_big and enc.format in ("keep", ext):
+        if not too_big and enc.format in ("keep", ext) and ext in _LOADER_EXTS:
             return data, ext
-        out_ext = ("jpg" if ext not in _PIL_FORMAT else ext) if enc.format == "keep" else enc.format
+        # 'keep' re-encodes only what it must: resized images in their format (.tif as JPEG),
+        # formats the loader does not look for (.bmp) losslessly as PNG
+        out_ext = ({"tif": "jpg"}.get(ext, ext if ext in _PIL_FORMAT else "png")
+                   if enc.format == "keep" else enc.format)
         img = img.convert("RGB") if img.mode not in ("RGB", "L") or out_ext == "jpg" else img
         if too_big:
             scale = enc.max_side / max(img.size)
@@ -291,7 +295,7 @@ def add_make_shards_parser(sub) -> None:
                    "above this (aspect kept); 0 copies them as they are")
     p.add_argument("--format", default="keep", choices=["keep", "jpg", "png", "webp"],
                    help="image format in the shards; 'keep' copies files (re-encoding only resized "
-                   "ones, .tif/.bmp as jpg)")
+                   "ones, resized .tif as jpg, .bmp as png)")
     p.add_argument("--quality", type=int, default=95, help="JPEG/WebP quality when re-encoding")
     p.add_argument("--workers", type=int, default=1, help="processes reading/re-encoding images "
                    "(output is the same for any number)")

@@ -167,3 +167,15 @@ def test_loader_reads_made_shards_and_draws_every_caption(rsicd, tiny_tokenizer)
             seen.setdefault(key, set()).add(tuple(ids.tolist()))
     assert sorted(seen) == ["airport_1", "beach_2", "farm_3", "port_4", "test_1", "val_1"]
     assert len(seen["airport_1"]) == 5 and len(seen["beach_2"]) == 2 and len(seen["port_4"]) == 1
+
+
+def test_bmp_becomes_png_and_resized_tif_becomes_jpeg(tmp_path):
+    from rsclip_ds.shards import Encoding, load_image
+    _image(tmp_path / "a.bmp", size=(20, 10), fmt="BMP")
+    _image(tmp_path / "b.tif", size=(40, 20), fmt="TIFF")
+    data, ext = load_image(tmp_path / "a.bmp", Encoding())
+    assert ext == "png" and np.array_equal(np.asarray(Image.open(io.BytesIO(data))),
+                                           np.asarray(Image.open(tmp_path / "a.bmp")))   # lossless
+    data, ext = load_image(tmp_path / "b.tif", Encoding(max_side=10))
+    assert ext == "jpg" and Image.open(io.BytesIO(data)).size == (10, 5)
+    assert load_image(tmp_path / "b.tif", Encoding()) == ((tmp_path / "b.tif").read_bytes(), "tif")
