@@ -83,6 +83,19 @@ def complete_tags(root: Path) -> list[str]:
     return sorted(tags)
 
 
+def latest_tag(root: Path) -> str | None:
+    """The pointer's tag; if that one lost its meta (a run resumed from an older tag was killed
+    while re-saving it), the newest complete tag instead."""
+    tag = read_pointer(root)
+    if tag is not None and is_complete(root, tag):
+        return tag
+    complete = complete_tags(root)
+    if complete:
+        log.warning("%s names %s, which is incomplete; using %s", Path(root) / POINTER, tag, complete[-1])
+        return complete[-1]
+    return None
+
+
 def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     """(checkpoint root, tag) from a run's output_dir, its checkpoints folder, or a tag folder.
     A root resolves through our pointer (the newest checkpoint every rank finished)."""
@@ -94,12 +107,10 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
                                 f"saving it); use the checkpoints folder {p.parent} to get the newest complete one")
     if (p / CHECKPOINT_DIR).is_dir():
         p = p / CHECKPOINT_DIR
-    tag = read_pointer(p)
+    tag = latest_tag(p)
     if tag is None:
         raise FileNotFoundError(f"no complete checkpoint under {path} (no {POINTER} file); pass a run "
                                 f"output_dir, its '{CHECKPOINT_DIR}' folder or a step######## folder")
-    if not is_complete(p, tag):
-        raise FileNotFoundError(f"{p / POINTER} names {tag}, which has no {META}")
     return p, tag
 
 
@@ -208,7 +219,7 @@ class Checkpointer:
 
     def resolve_resume(self, resume: str) -> str:
         if resume == "latest":
-            tag = read_pointer(self.root)
+            tag = latest_tag(self.root)
             if tag is None:
                 raise ConfigError(f"--resume latest: no complete checkpoint in {self.root} "
                                   f"(set checkpoint.every to save some, or start without --resume)")

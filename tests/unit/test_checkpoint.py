@@ -120,3 +120,12 @@ def test_checkpoint_and_fault_keys_validate():
     assert (run.checkpoint.every, run.checkpoint.resume, run.faults.peer_timeout_s) == (50, "latest", 5.0)
     with pytest.raises(ConfigError, match="checkpoint.bogus: unknown key; allowed here: at_end, every"):
         load_config(None, ["checkpoint.bogus=1"])
+
+
+def test_a_pointer_to_a_tag_that_lost_its_meta_falls_back_to_the_newest_complete(tmp_path):
+    """Resumed from an older tag, a run re-saves a newer tag; killed meanwhile, the pointer names
+    a tag without meta: the newest complete one is used instead."""
+    out, root = _fake_run(tmp_path, steps=(4, 8), incomplete=(12,), pointer=12)
+    assert resolve_checkpoint(out) == (root, "step00000008")
+    ck = Checkpointer(CheckpointConfig(), root, rank=0, world_size=2, run_config={})
+    assert ck.resolve_resume("latest") == "step00000008"
