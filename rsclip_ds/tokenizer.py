@@ -1,4 +1,5 @@
-"""A small WordPiece tokenizer trained on the captions of the shards, for from-scratch runs.
+"""A small WordPiece tokenizer built from the captions of the shards, for from-scratch runs:
+whole words by frequency plus single characters, so that no word is unknown.
 
 SigLIP-style: lowercase, every caption ends with ``</s>`` and is padded to ``max_length`` with
 ``<pad>``, no attention mask (the SigLIP text tower pools the last position, which is then
@@ -12,12 +13,13 @@ deliberately not 2: Hugging Face's CLIP text model treats ``eos_token_id == 2`` 
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 import webdataset as wds
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
@@ -50,15 +52,34 @@ def _build_backend() -> Tokenizer:
     return tok
 
 
+def _word_vocab(backend: Tokenizer, captions: Iterable[str], vocab_size: int) -> dict[str, int]:
+    """Special tokens, every character seen (as a word start and as a '##' continuation, so no
+    word is ever <unk>), then whole words by frequency, ties by spelling. Deterministic by
+    construction: the tokenizers library's WordPiece trainer numbers its merges in the order of
+    a randomly seeded hash map, so two processes trained on the same captions produced different
+    vocabularies (checked), i.e. runs that did not reproduce."""
+    counts: Counter[str] = Counter()
+    for caption in captions:
+        normalized = backend.normalizer.normalize_str(caption)
+        counts.update(w for w, _ in backend.pre_tokenizer.pre_tokenize_str(normalized))
+    chars = sorted({c for w in counts for c in w})
+    pieces = SPECIAL_TOKENS + chars + [f"##{c}" for c in chars]
+    if vocab_size < len(pieces):
+        raise ValueError(f"vocab_size {vocab_size} cannot hold the {len(pieces)} special and character "
+                         f"tokens of these captions; use at least {len(pieces) + 100}")
+    words = sorted((w for w in counts if len(w) > 1), key=lambda w: (-counts[w], w))
+    pieces += words[: vocab_size - len(pieces)]
+    return {t: i for i, t in enumerate(pieces)}
+
+
 def train_tokenizer(captions: Iterable[str], out_dir: str | Path, *, vocab_size: int = 1000,
                     max_length: int = 64) -> PreTrainedTokenizerFast:
-    """Train WordPiece on ``captions``, save a Hugging Face folder in ``out_dir``, return it."""
+    """Build the vocabulary from ``captions``, save a Hugging Face folder in ``out_dir``, return it."""
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2 to hold a word and </s> (got {max_length})")
     backend = _build_backend()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                        min_frequency=1, show_progress=False)
-    backend.train_from_iterator(captions, trainer=trainer)
+    backend.model = models.WordPiece(_word_vocab(backend, captions, vocab_size), unk_token=UNK,
+                                     max_input_chars_per_word=100)
     eos_id = backend.token_to_id(EOS)
     backend.post_processor = processors.TemplateProcessing(single=f"$A {EOS}", special_tokens=[(EOS, eos_id)])
 

@@ -57,3 +57,33 @@ def test_reload_from_folder_gives_same_ids(tiny_shards, tiny_tokenizer, tmp_path
     assert again.model_max_length == 20
     assert torch.equal(tokenize(again, captions, 20), tokenize(tok, captions, 20))
     assert "attention_mask" not in again(captions[:2], padding="max_length", max_length=20)
+
+
+_TRAIN_IN_SUBPROCESS = """
+import sys
+from rsclip_ds.tokenizer import train_tokenizer
+caps = [f"a {c} field with {n} {o} in the {p}" for c in ("green", "brown", "sparse") for n in ("two", "many")
+        for o in ("houses", "trees", "ponds") for p in ("top left", "centre", "bottom right")]
+train_tokenizer(caps, sys.argv[1], vocab_size=200, max_length=16)
+"""
+
+
+def test_same_captions_give_the_same_vocabulary_in_every_process(tmp_path):
+    """The tokenizers library's trainer numbers merges in a randomly seeded hash map's order;
+    ours must not depend on the process (it did: 3 processes gave 2 different vocabularies)."""
+    import subprocess
+    import sys
+
+    files = []
+    for i in range(3):
+        subprocess.run([sys.executable, "-c", _TRAIN_IN_SUBPROCESS, str(tmp_path / f"t{i}")], check=True)
+        files.append((tmp_path / f"t{i}" / "tokenizer.json").read_bytes())
+    assert files[0] == files[1] == files[2]
+
+
+def test_unseen_words_are_spelled_not_unknown(tmp_path):
+    tok = train_tokenizer(["green field", "brown field"], tmp_path, vocab_size=100, max_length=8)
+    ids = tokenize(tok, ["brine"], 8)[0].tolist()   # 'brine' was never seen, its letters were
+    assert tok.unk_token_id not in ids
+    assert tok.decode([i for i in ids if i not in (tok.pad_token_id, tok.eos_token_id)]) == "brine"
+    assert tokenize(tok, ["field"], 8)[0, 0] == tok.convert_tokens_to_ids("field")   # a whole word
