@@ -116,9 +116,10 @@ def run_case(case: Case, precision: str, warmup: int, seconds: float, max_steps:
         elapsed = time.perf_counter() - t0
         samples_per_s = steps * case.micro * info.world_size / elapsed
         flops = flops_per_sample(config)
-        peak = peak_flops(acc.get_device_name() if on_gpu else "cpu", peak_tflops)
+        name = torch.cuda.get_device_name(engine.device) if on_gpu else "cpu"   # e.g. 'NVIDIA H200'
+        peak = peak_flops(name, peak_tflops)
         row = {"case": case.name, **asdict(case), "precision": precision, "ok": True,
-               "device": acc.get_device_name() if on_gpu else "cpu", "world_size": info.world_size,
+               "device": name, "world_size": info.world_size,
                "parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
                "build_s": build_s, "timed_steps": steps, "elapsed_s": elapsed,
                "samples_per_s": samples_per_s, "step_ms": 1e3 * elapsed / steps,

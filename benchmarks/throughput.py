@@ -88,7 +88,7 @@ class BenchConfig:
     profile_steps: int    # steps of the cProfile'd run of each loop
 
 
-FULL = BenchConfig(steps=40, repeats=5, micro=32, loader_batches=60, quality_steps=200, num_train=4096,
+FULL = BenchConfig(steps=30, repeats=5, micro=32, loader_batches=60, quality_steps=150, num_train=4096,
                    num_val=512, shard_size=256, profile_steps=20)
 TINY = BenchConfig(steps=4, repeats=1, micro=8, loader_batches=4, quality_steps=4, num_train=256,
                    num_val=32, shard_size=32, profile_steps=3)
@@ -284,10 +284,10 @@ def loop_ours(ctx: Ctx, steps: int, negatives: str = "global", overrides: tuple[
         summary = json.loads((Path(out_dir) / "summary.json").read_text()) if ctx.rank == 0 else {}
     timed = counters["loader"].timed
     timed.close()
-    losses = summary.get("losses") or summary.get("loss", {}).get("history") or [None]
+    losses = summary.get("losses") or [None]
     return Measured(times[-1][0] - times[0][0], times[-1][1] - times[0][1], counters["forward"].samples,
-                    timed.wait_after(1),
-                    {"final_loss": losses[-1] if isinstance(losses, list) else None, **extra})
+                    timed.wait_after(1), {"final_loss": losses[-1], **extra,
+                                          "summary_samples_per_s": summary.get("samples_per_s")})
 
 
 # --------------------------------------------------------------------------- (b) bare
@@ -445,6 +445,17 @@ def loader_rate(ctx: Ctx, batches: int) -> dict:
     return {"batches_per_rank": batches, "samples_per_s": rate}
 
 
+def summary_rate_with_checkpoint(ctx: Ctx, steps: int) -> dict:
+    """`ours` as users run it by default (checkpoint.at_end=true): the summary's samples/s
+    against the step-hook rate of the same run. The end-of-run save falls inside the summary's
+    timed span (train.py: the save happens in the loop, before `end`)."""
+    m = loop_ours(ctx, steps, overrides=("checkpoint.at_end=true",))
+    steps_rate = ctx.cfg.micro * ctx.world * (steps - 1) / max_over_ranks([m.elapsed])[0]
+    reported = m.extra["summary_samples_per_s"]   # rank 0's own clock, as the summary says
+    return {"steps": steps, "step_hook_samples_per_s": steps_rate, "summary_samples_per_s": reported,
+            "summary_over_steps": reported / steps_rate if reported else None}
+
+
 def summarize(rows: list[dict], loops: list[str]) -> dict:
     """Medians and spread per loop, and ratios paired within each repeat."""
     by = {name: [r for r in rows if r["loop"] == name] for name in loops}
@@ -472,7 +483,8 @@ def summarize(rows: list[dict], loops: list[str]) -> dict:
 # --------------------------------------------------------------------------- Python time per step
 
 # The loop's own code (not the model, the loss or DeepSpeed, which all loops run alike).
-OWN_CODE = {"ours": ("rsclip_ds/train.py", "rsclip_ds/progress.py", "rsclip_ds/data.py", "rsclip_ds/engine.py",
+# The loader's main-process side (rsclip_ds/data.py) runs in every loop alike: reported apart.
+OWN_CODE = {"ours": ("rsclip_ds/train.py", "rsclip_ds/progress.py", "rsclip_ds/engine.py",
                      "rsclip_ds/distributed.py", "rsclip_ds/checkpoint.py", "rsclip_ds/cli.py"),
             "bare": ("throughput.py",),
             "trainer": ("transformers/trainer", "transformers/integrations/deepspeed", "transformers/training_args",
@@ -489,14 +501,17 @@ def profiled(ctx: Ctx, name: str, steps: int, own: tuple[str, ...]) -> dict:
     torch.manual_seed(0)
     run_loop_fn(replace(ctx, profiler=prof), steps)
     stats = pstats.Stats(prof)
-    rows = []
+    rows, loader = [], 0.0
     for (path, line, func), (_cc, _nc, tottime, _ct, _callers) in stats.stats.items():
         if any(o in path for o in own):
             rows.append((tottime, f"{Path(path).parent.name}/{Path(path).name}:{line}:{func}"))
+        if "rsclip_ds/data.py" in path:
+            loader += tottime
     rows.sort(reverse=True)
-    total, = max_over_ranks([sum(t for t, _ in rows)])
+    total, loader = max_over_ranks([sum(t for t, _ in rows), loader])
     gc.collect()
     return {"loop": name, "steps": steps, "own_code": list(own), "self_ms_per_step": 1e3 * total / steps,
+            "loader_main_process_ms_per_step": 1e3 * loader / steps,
             "top": [{"function": f, "ms_per_step": 1e3 * t / steps} for t, f in rows[:6]]}
 
 
@@ -559,7 +574,7 @@ def quality(ctx: Ctx) -> list[dict]:
         m = loop_ours(ctx, ctx.cfg.quality_steps, negatives=negatives, final_hook=evaluate)
         rows.append({"negatives": negatives, "steps": ctx.cfg.quality_steps,
                      "global_batch": ctx.cfg.micro * ctx.world, "final_train_loss": m.extra["final_loss"],
-                     **{k: v for k, v in m.extra.items() if k != "final_loss"}})
+                     **{k: v for k, v in m.extra.items() if k not in ("final_loss", "summary_samples_per_s")}})
         gc.collect()
     return rows
 
@@ -615,8 +630,14 @@ def print_tables(report: dict) -> None:
     ld = report["loader"]
     console.print(f"loader alone: {ld['samples_per_s']:.0f} samples/s on all ranks = "
                   f"{ld['headroom_over_ours']:.1f} x what 'ours' consumes")
+    c = report["summary_rate_with_final_checkpoint"]
+    if c["summary_over_steps"] is not None:
+        console.print(f"with the default end-of-run checkpoint, summary.json says {c['summary_samples_per_s']:.1f} "
+                      f"samples/s where the steps ran at {c['step_hook_samples_per_s']:.1f} "
+                      f"({c['summary_over_steps']:.2f} x)")
     for p in report["python_self_time"]:
-        console.print(f"{p['loop']}: {p['self_ms_per_step']:.2f} ms/step Python self time in {p['own_code']}")
+        console.print(f"{p['loop']}: {p['self_ms_per_step']:.2f} ms/step Python self time in its own code "
+                      f"(+ {p['loader_main_process_ms_per_step']:.2f} ms in the loader's main-process side)")
     q = Table(title=f"quality at equal compute: held-out retrieval ({report['quality'][0]['num_images']} "
                     f"val pairs) after {report['quality'][0]['steps']} steps" if report["quality"] else "quality")
     for col in ("negatives", "i2t R@1", "t2i R@1", "mean recall", "final train loss"):
@@ -643,18 +664,20 @@ def plot(report: dict, path: Path) -> str | None:
     names = list(loops)
     med = [loops[n]["median_samples_per_s"] for n in names]
     err = [[m - loops[n]["min"] for m, n in zip(med, names)], [loops[n]["max"] - m for m, n in zip(med, names)]]
-    axes[0].bar(names, med, yerr=err, capsize=4, color=["C0", "C7", "C3", "C1"][:len(names)])
-    axes[0].axhline(report["loader"]["samples_per_s"], ls="--", color="k", lw=1, label="loader alone")
-    axes[0].set(title="global samples/s (median, min..max)", ylabel="samples/s")
-    axes[0].legend(fontsize=8)
+    colors = {"ours": "C0", "bare": "C7", "trainer": "C3", "ours_local": "C1", "ours_fix": "C2"}
+    axes[0].bar(names, med, yerr=err, capsize=4, color=[colors.get(n, "C4") for n in names])
+    axes[0].set(title=f"global samples/s (median, min..max); loader alone "
+                      f"{report['loader']['samples_per_s']:.0f}", ylabel="samples/s")
+    axes[0].tick_params(axis="x", labelrotation=15)
     ratios = report["summary"]["ratios"]
     for i, (name, r) in enumerate(ratios.items()):
         axes[1].plot([i] * len(r["per_repeat"]), r["per_repeat"], "o", alpha=0.5, color="C0")
-        axes[1].plot([i], [r["median"]], "D", color="C3")
+        axes[1].plot([i], [r["median"]], "D", color="C3", label="median (wall)" if i == 0 else None)
+        axes[1].plot([i + 0.15], [r["cpu_median"]], "x", color="k", label="median (CPU time)" if i == 0 else None)
     axes[1].axhline(0.97, ls="--", color="k", lw=1, label="target ours/bare 0.97")
     axes[1].axhline(1.0, ls=":", color="gray", lw=1)
     axes[1].set_xticks(range(len(ratios)), list(ratios), rotation=15)
-    axes[1].set(title="paired ratios per repeat (diamond: median)")
+    axes[1].set(title="ratios paired per repeat (dots: wall, per repeat)")
     axes[1].legend(fontsize=8)
     q = report["quality"]
     if q:
@@ -663,7 +686,9 @@ def plot(report: dict, path: Path) -> str | None:
             axes[2].bar([k + 0.4 * j - 0.2 for k in range(len(keys))], [r[k] for k in keys], 0.4,
                         label=f"negatives={r['negatives']}")
         axes[2].set_xticks(range(len(keys)), keys)
-        axes[2].set(title=f"held-out retrieval after {q[0]['steps']} steps", ylim=(0, 1))
+        top = max(r[k] for r in q for k in keys)
+        axes[2].set(title=f"held-out retrieval ({q[0]['num_images']} pairs) after {q[0]['steps']} steps",
+                    ylim=(0, 1.3 * top + 1e-3))
         axes[2].legend(fontsize=8)
     env = report["environment"]
     fig.suptitle(f"tiny preset, {env['world_size']} ranks ({env['device']}), "
@@ -736,12 +761,14 @@ def main(argv=None) -> int:
         loader = loader_rate(ctx, cfg.loader_batches)
         loader["headroom_over_ours"] = loader["samples_per_s"] / summary["loops"]["ours"]["median_samples_per_s"]
         say(f"loader alone {loader['samples_per_s']:.0f} samples/s")
+        with_checkpoint = summary_rate_with_checkpoint(ctx, cfg.steps)
         python_time = [profiled(ctx, name, cfg.profile_steps, OWN_CODE[name]) for name in OWN_CODE if name in loops]
         quality_rows = [] if args.skip_quality else quality(ctx)
         report = {"config": {**asdict(cfg), "tiny": args.tiny, "profile": args.profile,
                              "precision": args.precision, "preset": "tiny", "loops": loops},
                   "environment": environment(world, args.threads),
                   "runs": rows, "summary": summary, "loader": loader, "python_self_time": python_time,
+                  "summary_rate_with_final_checkpoint": with_checkpoint,
                   "quality": quality_rows, "notes": notes, "seconds": time.perf_counter() - t0}
         if rank == 0:
             write_report(report, args.out, plot, print_tables)

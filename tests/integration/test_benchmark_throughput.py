@@ -73,7 +73,9 @@ def test_loader_and_python_time(report):
     assert report["loader"]["headroom_over_ours"] > 0
     by = {p["loop"]: p for p in report["python_self_time"]}
     assert {"ours", "bare"} <= set(by)
-    assert all(p["self_ms_per_step"] >= 0 for p in by.values())
+    assert all(p["self_ms_per_step"] >= 0 and p["loader_main_process_ms_per_step"] >= 0 for p in by.values())
+    c = report["summary_rate_with_final_checkpoint"]
+    assert c["step_hook_samples_per_s"] > 0 and c["summary_samples_per_s"] > 0
 
 
 def test_quality_rows_are_recalls(report):
