@@ -30,4 +30,5 @@ def test_loader_benchmark_writes_its_report(tmp_path):
         assert all(v > 0 for v in row["loader_per_worker"] + row["bare_per_process"]
                    + row["bare_to_tensor_per_process"])
         assert row["pass"] == (row["ratio_median"] >= 0.9)
+        assert len(row["ratios_cpu"]) == 2 and row["ratio_cpu_median"] > 0
     assert "loader vs bare PIL decode+resize" in proc.stdout
