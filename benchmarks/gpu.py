@@ -195,7 +195,8 @@ def parse_args(argv):
     parser.add_argument("--micro", type=int, default=None, help="micro-batch (default per preset: MICRO)")
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps")
-    parser.add_argument("--seconds", type=float, default=15.0, help="timed seconds per case (at least one step)")
+    parser.add_argument("--seconds", type=float, default=10.0,
+                        help="timed seconds per case (at least one step, at most --max-steps)")
     parser.add_argument("--max-steps", type=int, default=50, help="timed steps at most per case")
     parser.add_argument("--case-timeout", type=float, default=120.0, help="seconds before a case's process is killed")
     parser.add_argument("--total-budget", type=float, default=450.0,

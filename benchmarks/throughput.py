@@ -647,7 +647,7 @@ def print_tables(report: dict) -> None:
                   f"{r['final_train_loss']:.3f}")
     console.print(q)
     for note in report["notes"]:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", markup=False)
 
 
 def plot(report: dict, path: Path) -> str | None:
@@ -712,6 +712,7 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=None, help="override the interleaved repeats")
     parser.add_argument("--steps", type=int, default=None, help="override the steps per timed run")
     parser.add_argument("--skip-quality", action="store_true", help="throughput only")
+    parser.add_argument("--no-trainer", action="store_true", help="leave out the Hugging Face Trainer column")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
     return parser.parse_args(argv)
@@ -740,16 +741,16 @@ def main(argv=None) -> int:
     info = init_distributed()
     try:
         rank, world = info.rank, info.world_size
-        say = Console(soft_wrap=True).print if rank == 0 else (lambda msg: None)
+        say = Console(soft_wrap=True, markup=False).print if rank == 0 else (lambda msg: None)
         t0 = time.perf_counter()
         ctx = Ctx(rank, world, info.on_gpu, prepare_data(args.data, cfg, rank), args.precision,
                   args.profile, cfg, args.threads)
         notes = []
         loops = list(LOOPS)
-        if not accelerate_available():
+        if args.no_trainer or not accelerate_available():
             loops.remove("trainer")
-            notes.append(ACCELERATE_MISSING)
-            say(f"note: {ACCELERATE_MISSING}")
+            notes.append("--no-trainer: the trainer column is skipped" if args.no_trainer else ACCELERATE_MISSING)
+            say(f"note: {notes[-1]}")
         rows = []
         for repeat in range(cfg.repeats):
             for name in loops:
