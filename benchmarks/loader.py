@@ -73,8 +73,9 @@ def _bare(args: tuple[list[bytes], int, float, bool]) -> tuple[int, float]:
     t0, c0 = time.perf_counter(), time.process_time()
     for data in jpegs:
         img = Image.open(io.BytesIO(data)).convert("RGB").resize((size, size), Image.Resampling.BICUBIC)
-        if to_tensor:
-            np.multiply(np.asarray(img).transpose(2, 0, 1), scale, out=out, casting="unsafe")
+        if to_tensor:   # the fast path: contiguous uint8 (3,S,S) first (a strided read is ~3x slower)
+            np.multiply(np.ascontiguousarray(np.asarray(img).transpose(2, 0, 1)), scale, out=out,
+                        casting="unsafe")
             out -= 1.0
     return len(jpegs), time.perf_counter() - t0, time.process_time() - c0
 
