@@ -5,8 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=data/synthetic
-if [ ! -f "$DATA/index.json" ]; then
-  rsclip-ds make-synthetic --out "$DATA" --num-train 4096 --num-val 512 --shard-size 512 --image-size 64
+if [ ! -f "$DATA/eval/captions.json" ]; then   # --eval: the val split also as class folders + caption JSON
+  rsclip-ds make-synthetic --out "$DATA" --num-train 4096 --num-val 512 --shard-size 512 --image-size 64 --eval
 fi
 if [ ! -f "$DATA/tokenizer/tokenizer.json" ]; then
   rsclip-ds train-tokenizer --shards "$DATA/train-{000000..000007}.tar" --out "$DATA/tokenizer" --vocab-size 1000 --max-length 64
@@ -18,4 +18,6 @@ else
   export DS_ACCELERATOR=cpu   # no GPU: 2 CPU ranks talking over gloo
   NPROC=2
 fi
-exec deepspeed --num_gpus "$NPROC" --module rsclip_ds train --config configs/tiny_demo.yaml "$@"
+exec deepspeed --num_gpus "$NPROC" --module rsclip_ds train --config configs/tiny_demo.yaml \
+  --set eval.every=50 --set eval.zero_shot_dir="$DATA/eval/classes" \
+  --set eval.retrieval_json="$DATA/eval/captions.json" "$@"

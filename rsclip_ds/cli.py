@@ -68,6 +68,7 @@ def run_training(run: RunConfig, hooks: Sequence[Callable] = ()) -> dict | None:
 
     from rsclip_ds.distributed import Heartbeat, StopFlag, destroy_distributed, init_distributed
     from rsclip_ds.engine import build_engine
+    from rsclip_ds.evaluate import build_eval_hook
     from rsclip_ds.losses import build_loss
     from rsclip_ds.model import apply_activation_checkpointing, build_model
     from rsclip_ds.profiles import activation_checkpointing_enabled, derive_batch
@@ -90,6 +91,8 @@ def run_training(run: RunConfig, hooks: Sequence[Callable] = ()) -> dict | None:
             _write_run_files(run, ds_config)
             log.info("profile %s | precision %s | batch micro x accumulation x world = global: %s | "
                      "%.2fM parameters", profile.name, run.precision, plan, bundle.num_parameters() / 1e6)
+        eval_hook = build_eval_hook(run, bundle, info.rank, info.world_size)  # reads the eval sets now
+        hooks = list(hooks) + ([eval_hook] if eval_hook else [])
         engine = build_engine(bundle.model, ds_config)
         checkpointer = _build_checkpointer(run, info, bundle)
         resume = checkpointer.load(engine, run.checkpoint.resume) if run.checkpoint.resume else None
@@ -151,6 +154,7 @@ def _build_guard(run: RunConfig, stop):
 
 def _finish(run: RunConfig, result, rank: int, profile, plan, bundle, ac: bool) -> dict | None:
     """Rank 0 writes and prints the summary."""
+    from rsclip_ds.curves import plot_curves
     from rsclip_ds.report import build_summary, print_summary, write_summary
 
     if rank != 0:
@@ -161,6 +165,7 @@ def _finish(run: RunConfig, result, rank: int, profile, plan, bundle, ac: bool) 
                             negatives=run.loss.negatives, accumulation=run.batch.accumulation)
     write_summary(summary, run.output_dir)
     print_summary(summary)
+    plot_curves(summary, Path(run.output_dir) / "curves.png")   # skipped (one log line) without matplotlib
     return summary
 
 

@@ -67,16 +67,25 @@ def print_summary(summary: dict[str, Any]) -> None:
     Console().print(table)
 
 
+# the metrics the summary table shows when they exist (summary.json and eval/*.json have all)
+_HEADLINE = ("zero_shot/top1", "zero_shot/mean_per_class", "retrieval/i2t_R@1", "retrieval/t2i_R@1",
+             "retrieval/mean_recall")
+
+
+def _headline(ev: dict[str, Any]) -> str:
+    keys = [k for k in _HEADLINE if k in ev] or [k for k in ev if k != "step"]
+    return ", ".join(f"{k} {ev[k]:.4g}" if isinstance(ev[k], float) else f"{k} {ev[k]}" for k in keys)
+
+
 def _fault_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     """Bad data, evaluations, checkpoints, resumes and pre-emption: shown when they happened."""
     rows = []
     bad = {k: v for k, v in s.get("bad_data", {}).items() if v}
     if bad:
         rows.append(("bad data skipped", ", ".join(f"{v} {k}" for k, v in bad.items()) + " (all ranks)"))
-    for ev in s.get("evals", [])[-3:]:
-        metrics = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                            for k, v in ev.items() if k != "step")
-        rows.append((f"eval @ step {ev['step']}", metrics))
+    evals = s.get("evals", [])
+    for ev in evals[:1] + evals[-1:] if len(evals) > 1 else evals:   # first and last; all in summary.json
+        rows.append((f"eval @ step {ev['step']}", _headline(ev)))
     if s.get("resumed_from"):
         rows.append(("resumed", "at step " + ", ".join(str(x) for x in s["resumed_from"])))
     if s.get("checkpoints"):

@@ -226,6 +226,8 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, plan: BatchPlan, s
     dtype, pending, seconds_before = engine_dtype(engine), [], result.seconds
     t_start = t_first = time.perf_counter()
     last = min(steps, stop_after or steps)   # stop_after ends this process early, same schedule
+    if start == 0:   # a fresh run: hooks see the initial model too (evaluation from chance)
+        _run_hooks(hooks, 0, engine, result, reporter)
     for step in range(start + 1, last + 1):
         guard.before_step(step, rank, world)
         result.lrs.append(float(engine.get_lr()[0]))
@@ -233,11 +235,7 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, plan: BatchPlan, s
         pending.append(guard.loss_hook(step, loss, rank))
         if step == start + 1:
             t_first = time.perf_counter()   # excludes lazy init / first-call overheads
-        for hook in hooks:
-            metrics = hook(step, engine)
-            if metrics:
-                result.evals.append({"step": step, **metrics})
-                reporter.update(step, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+        _run_hooks(hooks, step, engine, result, reporter)
         save_due = checkpointer is not None and checkpointer.due(step, last)
         if not (save_due or step % log_every == 0 or step % guard.stop_check_every == 0 or step == last):
             continue
@@ -271,6 +269,14 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, plan: BatchPlan, s
     result.skipped_steps = int(getattr(engine, "skipped_steps", 0))
     result.loss_scale = loss_scale(engine)
     return result
+
+
+def _run_hooks(hooks, step: int, engine, result: TrainResult, reporter: ProgressReporter) -> None:
+    for hook in hooks:
+        metrics = hook(step, engine)
+        if metrics:
+            result.evals.append({"step": step, **metrics})
+            reporter.update(step, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
 
 
 def _counts(engine, result: TrainResult) -> dict[str, int]:
