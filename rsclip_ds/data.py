@@ -45,6 +45,7 @@ import itertools
 import json
 import logging
 import random
+import signal
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -763,10 +764,18 @@ class TrainLoader:
         # DataLoader takes batch i from worker i % workers, which the epoch plan relies on.
         loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
                             persistent_workers=False, pin_memory=torch.cuda.is_available(),
-                            prefetch_factor=2 if self.num_workers else None)
+                            prefetch_factor=2 if self.num_workers else None,
+                            worker_init_fn=_ignore_sigterm if self.num_workers else None)
         for batch in loader:
             self._on_batch(batch.pop("_meta"))
             yield batch
+
+
+def _ignore_sigterm(_worker_id: int) -> None:
+    """Workers ignore SIGTERM: the launcher and schedulers signal a rank's whole process tree,
+    and a worker dying of it makes the rank raise instead of saving the pre-emption checkpoint
+    (docs/checkpoints.md). Workers still exit with their rank (torch watches the parent)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def build_epoch_plan(cfg: DataConfig, *, micro_batch_size: int, world_size: int, seed: int) -> EpochPlan:

@@ -142,3 +142,29 @@ def test_two_workers_split_the_shards_deterministically(index, monkeypatch):
 def test_wrong_member_key_names_the_setting(index):
     with pytest.raises(DataError, match=r"64 of 64 samples.*missing_image 64.*data.image_key is png"):
         _take(_loader(index, image_key="png", bad_data_min_samples=64), 1)
+
+
+def _children(pid: int) -> list[int]:
+    from pathlib import Path
+
+    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+            for c in (t / "children").read_text().split()]
+
+
+def test_workers_survive_sigterm_so_the_rank_can_save(index):
+    """The launcher / a scheduler SIGTERMs a rank's whole process tree; the rank saves a
+    checkpoint and exits 75, which needs its loader workers to keep delivering meanwhile."""
+    import os
+    import signal
+
+    if not os.path.exists(f"/proc/{os.getpid()}/task"):
+        pytest.skip("needs /proc")
+    loader = _loader(index, num_workers=2)
+    it = iter(loader)
+    first = next(it)
+    workers = _children(os.getpid())
+    assert len(workers) == 2
+    for pid in workers:
+        os.kill(pid, signal.SIGTERM)
+    later = [next(it) for _ in range(3)]   # raised "DataLoader worker ... killed by signal" before
+    assert all(b["pixel_values"].shape == first["pixel_values"].shape for b in later)
