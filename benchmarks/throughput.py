@@ -266,6 +266,8 @@ def loop_ours(ctx: Ctx, steps: int, negatives: str = "global", overrides: tuple[
     times, counters, extra = [], {}, {}
 
     def step_hook(step: int, engine):
+        if step == 0:   # train() also calls hooks before the first step (evaluation from chance)
+            return None
         times.append((time.perf_counter(), time.process_time()))
         if step == steps and final_hook is not None:
             extra.update(final_hook(engine))
