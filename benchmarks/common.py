@@ -30,3 +30,14 @@ def write_report(report: dict, out: Path, plot: Callable[[dict, Path], str | Non
     report["png"] = plot(report, out.with_suffix(".png"))
     out.write_text(json.dumps(report, indent=2))
     print_tables(report)
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise max over ranks, reduced on the accelerator: a GPU run's process group is
+    NCCL, which has no CPU tensors."""
+    from deepspeed.accelerator import get_accelerator
+
+    t = torch.tensor(values, dtype=torch.float64, device=get_accelerator().current_device_name())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()

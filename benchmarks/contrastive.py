@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import environment, write_report
+from common import environment, max_over_ranks, write_report
 from rsclip_ds.losses import build_loss, clip_loss_global, naive_global_loss, siglip_loss_global
 from rsclip_ds.model import new_dual_encoder, preset_config
 from rsclip_ds.train import train_step, train_step_global
@@ -101,13 +101,6 @@ class SavedBytes:
     @property
     def peak(self) -> int:
         return max(sum(w.values()) for w in self.windows)
-
-
-def max_over_ranks(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
 
 
 def timed(fn, repeats: int) -> float:

@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from common import environment, write_report
+from common import max_over_ranks as common_max_over_ranks
 from rsclip_ds import memory
 from rsclip_ds.config import load_config
 from rsclip_ds.engine import build_engine, engine_dtype
@@ -295,9 +296,7 @@ def max_over_ranks(row: dict) -> dict:
     keys = [("gpu", "measured"), ("offload", "measured"), ("activations", "measured")]
     vals = [float(row[a][b]) for a, b in keys] + [float(row["peak_bytes"]), row["step_seconds"]] + \
         [float(v) for v in row["measured"].values()]
-    t = torch.tensor(vals, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    return common_max_over_ranks(vals)
 
 
 # --------------------------------------------------------------------------- report

@@ -103,7 +103,7 @@ class TrainResult:
     skipped_steps: int = 0                              # fp16 overflow steps
     loss_scale: float | None = None
     seconds: float = 0.0                                # this process's training time (all segments)
-    samples_per_s: float = 0.0                          # global samples/s after the first step of this segment
+    samples_per_s: float = 0.0                          # global samples/s after the first step of this segment, saves and hooks excluded
     bad_data: dict[str, int] = field(default_factory=dict)   # bad samples skipped, sum over ranks
     checkpoints: list[str] = field(default_factory=list)     # tags saved by this segment
     resumed_from: list[int] = field(default_factory=list)    # steps this run was resumed at
@@ -162,10 +162,13 @@ def _sync(pending: list[torch.Tensor], bad: dict[str, int], stop: bool) -> tuple
     """One all-reduce per sync point: the pending losses (mean over ranks), the bad-data
     counts (sum) and the stop flag (any rank). No host sync between sync points."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    values = torch.cat([torch.stack(pending).float().cpu(),
-                        torch.tensor([float(v) for v in bad.values()] + [float(stop)])])
+    # On the losses' device: a GPU run's process group is NCCL only, which rejects CPU tensors.
+    losses_t = torch.stack(pending).double()   # float64: counts stay exact past 2**24
+    values = torch.cat([losses_t, torch.tensor([float(v) for v in bad.values()] + [float(stop)],
+                                               dtype=torch.float64, device=losses_t.device)])
     if world > 1:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    values = values.cpu()   # the one host sync of this sync point
     n = len(pending)
     losses = (values[:n] / world).tolist()
     counts = dict(zip(bad, (int(v) for v in values[n:-1].tolist())))
@@ -225,6 +228,7 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, plan: BatchPlan, s
     world = dist.get_world_size() if dist.is_initialized() else 1
     dtype, pending, seconds_before = engine_dtype(engine), [], result.seconds
     t_start = t_first = time.perf_counter()
+    paused = 0.0   # seconds in checkpoint saves and hooks (evaluation): left out of samples/s
     last = min(steps, stop_after or steps)   # stop_after ends this process early, same schedule
     if start == 0:   # a fresh run: hooks see the initial model too (evaluation from chance)
         _run_hooks(hooks, 0, engine, result, reporter)
@@ -235,7 +239,10 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, plan: BatchPlan, s
         pending.append(guard.loss_hook(step, loss, rank))
         if step == start + 1:
             t_first = time.perf_counter()   # excludes lazy init / first-call overheads
-        _run_hooks(hooks, step, engine, result, reporter)
+        if hooks:
+            t_hooks = time.perf_counter()
+            _run_hooks(hooks, step, engine, result, reporter)
+            paused += time.perf_counter() - t_hooks   # t_first is set before the hooks run
         save_due = checkpointer is not None and checkpointer.due(step, last)
         if not (save_due or step % log_every == 0 or step % guard.stop_check_every == 0 or step == last):
             continue
@@ -244,7 +251,7 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, plan: BatchPlan, s
         pending = []
         _check_finite(result.losses, step, guard)
         if step % log_every == 0 or step == last or stop:
-            elapsed = time.perf_counter() - t_first
+            elapsed = time.perf_counter() - t_first - paused
             rate = plan.global_batch * (step - start - 1) / elapsed if step > start + 1 else float("nan")
             reporter.update(step, {"loss": result.losses[-1], "lr": result.lrs[-1], "samples/s": rate,
                                    "loss_scale": loss_scale(engine), **_counts(engine, result)})
@@ -256,14 +263,16 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, plan: BatchPlan, s
             result.optimizer_steps, result.micro_steps = engine.global_steps, engine.micro_steps
             result.seconds = seconds_before + time.perf_counter() - t_start
             result.checkpoints.append(tag_for(step))
+            t_save = time.perf_counter()
             checkpointer.save(engine, step, client_state(step, result, data))
+            paused += time.perf_counter() - t_save
         if stop:
             result.stopped = "sigterm"
             break
     end = time.perf_counter()
     result.seconds = seconds_before + end - t_start
     done = len(result.losses) - start
-    result.samples_per_s = plan.global_batch * (done - 1) / (end - t_first) if done > 1 else 0.0
+    result.samples_per_s = plan.global_batch * (done - 1) / (end - t_first - paused) if done > 1 else 0.0
     result.optimizer_steps = engine.global_steps
     result.micro_steps = engine.micro_steps
     result.skipped_steps = int(getattr(engine, "skipped_steps", 0))

@@ -161,7 +161,7 @@ def test_workers_survive_sigterm_so_the_rank_can_save(index):
         pytest.skip("needs /proc")
     loader = _loader(index, num_workers=2)
     it = iter(loader)
-    first = next(it)
+    first, _ = next(it), next(it)   # batch i comes from worker i % 2: both have started
     workers = _children(os.getpid())
     assert len(workers) == 2
     for pid in workers:
