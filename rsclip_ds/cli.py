@@ -79,7 +79,7 @@ def run_training(run: RunConfig, hooks: Sequence[Callable] = ()) -> dict | None:
     stop = StopFlag().install()
     info = init_distributed()
     heartbeat = Heartbeat(info.rank, info.world_size, interval=run.faults.heartbeat_s,
-                          timeout=run.faults.peer_timeout_s).start()
+                          timeout=run.faults.peer_timeout_s, stopping=stop).start()
     try:
         _configure_logging(info.rank)
         plan = derive_batch(run, info.world_size)

@@ -772,10 +772,14 @@ class TrainLoader:
 
 
 def _ignore_sigterm(_worker_id: int) -> None:
-    """Workers ignore SIGTERM: the launcher and schedulers signal a rank's whole process tree,
-    and a worker dying of it makes the rank raise instead of saving the pre-emption checkpoint
-    (docs/checkpoints.md). Workers still exit with their rank (torch watches the parent)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """Workers outlive the first SIGTERM: the launcher and schedulers signal a rank's whole
+    process tree, and a worker dying of it made the rank raise instead of saving its
+    pre-emption checkpoint (docs/checkpoints.md). A second SIGTERM -- the DataLoader's or
+    multiprocessing's terminate() at shutdown -- ends the worker as usual."""
+    def first(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    signal.signal(signal.SIGTERM, first)
 
 
 def build_epoch_plan(cfg: DataConfig, *, micro_batch_size: int, world_size: int, seed: int) -> EpochPlan:

@@ -8,6 +8,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 log = logging.getLogger("rsclip_ds")
 
@@ -121,11 +122,17 @@ class Heartbeat:
     for DEEPSPEED_TIMEOUT (10 min) -- or forever, in DeepSpeed's busy-waiting CPU shm
     all-reduce. It uses its own store connection and needs no GIL-free main thread."""
 
-    def __init__(self, rank: int, world_size: int, *, interval: float, timeout: float):
+    def __init__(self, rank: int, world_size: int, *, interval: float, timeout: float,
+                 stopping: Callable[[], bool] = lambda: False):
         import threading
 
         self.rank, self.world_size = rank, world_size
         self.interval, self.timeout = interval, timeout
+        # Once SIGTERM arrived (the launcher sends it to the survivors when a rank died, a
+        # scheduler before pre-emption) a peer silent for a few heartbeats is conclusive: the
+        # healthy ranks' heartbeat threads keep beating while they save. Without this a survivor
+        # spinning in DeepSpeed's shm all-reduce waits out `timeout` or the launcher's SIGKILL.
+        self.stopping, self.stop_timeout = stopping, max(5 * interval, 5.0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rsclip-heartbeat", daemon=True)
 
@@ -167,10 +174,11 @@ class Heartbeat:
                     self._die(f"the rendezvous store on rank 0 has not answered for {now - last_contact:.0f} s "
                               f"({type(err).__name__}: {err}); rank 0 is gone")
                 continue
-            dead = [r for r in peers if now - seen[r][1] > self.timeout]
+            limit = min(self.timeout, self.stop_timeout) if self.stopping() else self.timeout
+            dead = [r for r in peers if now - seen[r][1] > limit]
             if dead and not self._stop.is_set():
-                self._die(f"rank(s) {dead} sent no heartbeat for {self.timeout:.0f} s (faults.peer_timeout_s); "
-                          f"a process died or hangs")
+                self._die(f"rank(s) {dead} sent no heartbeat for {limit:.0f} s (faults.peer_timeout_s, "
+                          f"{self.stop_timeout:.0f} s once SIGTERM arrived); a process died or hangs")
 
     def _die(self, why: str) -> None:
         log.error("rank %d: %s. Exiting with code %d; restart with `rsclip-ds train --resume latest` "

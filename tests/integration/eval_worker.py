@@ -52,8 +52,7 @@ def main() -> None:
         plan = derive_batch(run, world)
         bundle = build_model(run.model, run.seed, loss=run.loss.name)
         engine = build_engine(bundle.model, build_ds_config(run, load_profile(run.profile), world, on_gpu=False))
-        hook = build_eval_hook(run, bundle, rank, world)   # evaluates at step 0 (called here) and the last
-        before = hook(0, engine)
+        hook = build_eval_hook(run, bundle, rank, world)   # train() calls it at step 0 too
         loader = build_train_loader(run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
                                     image_mean=bundle.image_mean, image_std=bundle.image_std,
                                     max_text_length=bundle.max_text_length, micro_batch_size=plan.micro,
@@ -77,7 +76,7 @@ def main() -> None:
             save_pretrained(full, bundle.tokenizer, args.out / "export", bundle.image_mean, bundle.image_std)
             torch.save({"image": image_emb, "text": text_emb}, args.out / "embeddings.pt")
             (args.out / "result.json").write_text(json.dumps({
-                "world": world, "stage": load_profile(run.profile).stage, "before": before,
+                "world": world, "stage": load_profile(run.profile).stage, "before": result.evals[0],
                 "evals": result.evals, "losses": result.losses, "lrs": result.lrs}, indent=2))
     finally:
         destroy_distributed()

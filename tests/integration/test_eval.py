@@ -75,8 +75,9 @@ def test_trained_far_above_chance_and_untrained_at_chance(trained):
     _, result = trained
     before, after = result["before"], result["evals"][-1]
     assert result["stage"] == 3 and result["world"] == 2
-    # the hook fired mid-run (training then continued under ZeRO-3) and at the last step
-    assert [e["step"] for e in result["evals"]] == [STEPS // 2, STEPS]
+    # the hook fired before the first step, mid-run (training then continued under ZeRO-3) and
+    # at the last step
+    assert [e["step"] for e in result["evals"]] == [0, STEPS // 2, STEPS]
     assert sum(result["losses"][-10:]) < sum(result["losses"][STEPS // 2 - 10:STEPS // 2])
     print(f"ZeRO-3 x 2 ranks, before -> after {STEPS} steps: zero-shot top-1 "
           f"{before['zero_shot/top1']:.3f} -> {after['zero_shot/top1']:.3f}, mean per class "

@@ -168,3 +168,22 @@ def test_workers_survive_sigterm_so_the_rank_can_save(index):
         os.kill(pid, signal.SIGTERM)
     later = [next(it) for _ in range(3)]   # raised "DataLoader worker ... killed by signal" before
     assert all(b["pixel_values"].shape == first["pixel_values"].shape for b in later)
+
+
+def test_a_second_sigterm_still_ends_a_worker(index):
+    """terminate() at shutdown must work: only the first SIGTERM is absorbed."""
+    import os
+    import signal
+    import time
+
+    if not os.path.exists(f"/proc/{os.getpid()}/task"):
+        pytest.skip("needs /proc")
+    it = iter(_loader(index, num_workers=2))
+    next(it), next(it)
+    pid = _children(os.getpid())[0]
+    # torch's SIGCHLD handler reports the worker's death in the main process
+    with pytest.raises(RuntimeError, match=f"pid {pid}.*killed by signal: Terminated"):
+        os.kill(pid, signal.SIGTERM)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGTERM)
+        time.sleep(10)
