@@ -571,6 +571,9 @@ class StreamDataset(IterableDataset):
                  cfg: DataConfig, starts: list[dict | None], offset: int):
         super().__init__()
         self.plan, self.rank, self.prep, self.collate = plan, rank, prep, collate
+        # a shard's place in the shard list, not its path, seeds its samples' draws: the same
+        # data under another folder (another machine, a test's tmp dir) gives the same run
+        self.shard_ids = {url: i for i, url in enumerate(plan.urls)}
         self.cfg, self.starts, self.offset = cfg, starts, offset
 
     def __iter__(self) -> Iterator[dict]:
@@ -626,7 +629,8 @@ class StreamDataset(IterableDataset):
                 if n <= taken:
                     continue   # resume: replayed without decoding
                 counter.samples += 1
-                sample_rng = random.Random(derive_seed(seed, "sample", epoch, sample["__url__"],
+                sample_rng = random.Random(derive_seed(seed, "sample", epoch,
+                                                       self.shard_ids.get(sample["__url__"], sample["__url__"]),
                                                        sample["__key__"]))
                 item = self.prep(sample, sample_rng, counter)
                 if item is None:   # the stream checks too: a rank may never see a batch otherwise
