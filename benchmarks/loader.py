@@ -46,8 +46,8 @@ TARGET = 0.9
 
 def write_dataset(out: Path, num: int, px: int, shard_size: int) -> tuple[str, list[bytes], list[str]]:
     """Synthetic scenes -> shards (via make-shards) -> (brace pattern, jpeg bytes, captions)."""
-    from rsclip_ds.shards import Record, make_shards
-    from rsclip_ds.synthetic import render_sample
+    from rsclip_ds.data.shard_writer import Record, make_shards
+    from rsclip_ds.data.synthetic import render_sample
 
     src = out / "images"
     src.mkdir(parents=True, exist_ok=True)
@@ -132,7 +132,7 @@ def loader_rate(pattern: str, tokenizer, size: int, workers: int, micro: int, sa
 
 
 def run(args) -> dict:
-    from rsclip_ds.tokenizer import train_tokenizer
+    from rsclip_ds.data.tokenizer import train_tokenizer
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(1)

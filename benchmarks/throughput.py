@@ -62,7 +62,7 @@ from rsclip_ds.engine import engine_dtype
 from rsclip_ds.losses import build_loss
 from rsclip_ds.model import ModelBundle, apply_activation_checkpointing, build_model
 from rsclip_ds.profiles import activation_checkpointing_enabled, build_ds_config, load_profile
-from rsclip_ds.tokenizer import tokenize
+from rsclip_ds.data.tokenizer import tokenize
 
 LOOPS = ("ours", "bare", "trainer", "ours_local", "ours_fix")
 # The overhead fixes proposed in docs/benchmarks.md, applied to 'ours' without touching
@@ -551,7 +551,7 @@ def read_val(urls: list[str], tokenizer_dir: str) -> tuple[torch.Tensor, torch.T
 
 
 def retrieval_r1(module, pixels: torch.Tensor, ids: torch.Tensor) -> dict:
-    from rsclip_ds.evaluate import retrieval_metrics
+    from rsclip_ds.evaluation.metrics import retrieval_metrics
 
     module.eval()
     with torch.no_grad():
@@ -585,8 +585,8 @@ def quality(ctx: Ctx) -> list[dict]:
 
 def prepare_data(root: Path, cfg: BenchConfig, rank: int) -> dict:
     """Rank 0 writes synthetic shards and a tokenizer (once per size); the others wait."""
-    from rsclip_ds.synthetic import make_synthetic
-    from rsclip_ds.tokenizer import iter_captions, train_tokenizer
+    from rsclip_ds.data.synthetic import make_synthetic
+    from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
 
     folder = root / f"synthetic_{cfg.num_train}_{cfg.num_val}_{cfg.shard_size}"
     if rank == 0 and not (folder / "tokenizer" / "tokenizer.json").is_file():

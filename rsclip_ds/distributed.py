@@ -1,4 +1,5 @@
-"""Process-group set-up; with cli.py the only module that reads the environment."""
+"""Process-group facts and side effects: start and stop the group, rank-aware logging, the
+SIGTERM flag and the heartbeat. With the command line the only code that reads the environment."""
 
 from __future__ import annotations
 
@@ -24,6 +25,20 @@ class DistInfo:
 def world_size_from_env() -> int:
     """The world size the launcher announced (1 without a launcher); known before init."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def configure_logging(rank: int) -> None:
+    """INFO on rank 0, warnings only elsewhere, every line tagged with its rank."""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[%(asctime)s rank{rank}] %(message)s", datefmt="%H:%M:%S", force=True)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def process_group_exists() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _free_port() -> int:
@@ -81,7 +96,7 @@ def _unlink_shm_buffer(rank: int) -> None:
 def destroy_distributed() -> None:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if process_group_exists():
         dist.destroy_process_group()
 
 

@@ -132,7 +132,7 @@ def _check_zero_block(path: Path, block: dict) -> None:
 # --------------------------------------------------------------------------- batch arithmetic
 
 @dataclass(frozen=True)
-class BatchPlan:
+class BatchSizes:
     micro: int          # samples per rank per forward/backward
     accumulation: int   # micro-batches per optimizer step
     world: int          # data-parallel ranks
@@ -145,11 +145,11 @@ class BatchPlan:
         return f"{self.micro} x {self.accumulation} x {self.world} = {self.global_batch}"
 
 
-def derive_batch(run: RunConfig, world_size: int) -> BatchPlan:
+def derive_batch(run: RunConfig, world_size: int) -> BatchSizes:
     """The one place where the global batch is computed (micro x accumulation x world)."""
     if world_size < 1:
         raise ConfigError(f"world size must be >= 1, got {world_size}")
-    return BatchPlan(run.batch.micro_batch_size, run.batch.gradient_accumulation_steps, world_size)
+    return BatchSizes(run.batch.micro_batch_size, run.batch.gradient_accumulation_steps, world_size)
 
 
 def scaled_lr(run: RunConfig, world_size: int) -> float:
@@ -159,16 +159,16 @@ def scaled_lr(run: RunConfig, world_size: int) -> float:
 
 # --------------------------------------------------------------------------- the DeepSpeed dict
 
-def _run_values(run: RunConfig, plan: BatchPlan, on_gpu: bool, offload: bool) -> dict[str, Any]:
+def _run_values(run: RunConfig, sizes: BatchSizes, on_gpu: bool, offload: bool) -> dict[str, Any]:
     o = run.optim
     use_ds_adam = o.impl == "deepspeed" or (o.impl == "auto" and on_gpu and offload)
     values: dict[str, Any] = {
-        "train_batch_size": plan.global_batch,
-        "train_micro_batch_size_per_gpu": plan.micro,
-        "gradient_accumulation_steps": plan.accumulation,
+        "train_batch_size": sizes.global_batch,
+        "train_micro_batch_size_per_gpu": sizes.micro,
+        "gradient_accumulation_steps": sizes.accumulation,
         "gradient_clipping": o.gradient_clipping,
         "optimizer": {"type": "AdamW", "params": {
-            "lr": scaled_lr(run, plan.world), "betas": list(o.betas), "eps": o.eps,
+            "lr": scaled_lr(run, sizes.world), "betas": list(o.betas), "eps": o.eps,
             "weight_decay": o.weight_decay, "torch_adam": not use_ds_adam}},
         "scheduler": {"type": "WarmupCosineLR", "params": {
             "total_num_steps": run.steps, "warmup_num_steps": max(1, o.warmup_steps),
@@ -186,8 +186,8 @@ def _run_values(run: RunConfig, plan: BatchPlan, on_gpu: bool, offload: bool) ->
 
 def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu: bool) -> dict[str, Any]:
     """Merge the profile's strategy with the run's values; conflicts name both sides."""
-    plan = derive_batch(run, world_size)
-    values = _run_values(run, plan, on_gpu, profile.offload_optimizer)
+    sizes = derive_batch(run, world_size)
+    values = _run_values(run, sizes, on_gpu, profile.offload_optimizer)
     for key, theirs in profile.run_values.items():
         if theirs != values[key]:
             raise ConfigError(

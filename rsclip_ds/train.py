@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from rsclip_ds.checkpoint import tag_for
 from rsclip_ds.engine import engine_dtype, loss_scale
-from rsclip_ds.profiles import BatchPlan
-from rsclip_ds.progress import ProgressReporter
+from rsclip_ds.profiles import BatchSizes
+from rsclip_ds.reporting.progress import ProgressReporter
 
 log = logging.getLogger("rsclip_ds")
 
@@ -134,7 +134,7 @@ class Preempted(RunStopped):
 class Guard:
     """The loop's fault handling: SIGTERM agreement, the non-finite stop, fault injection.
 
-    `stop_requested` is a flag set by the SIGTERM handler (cli.py installs it); every
+    `stop_requested` is a flag set by the SIGTERM handler (distributed.StopFlag, installed by the Trainer); every
     `stop_check_every` steps the ranks agree on it with the log-window all-reduce."""
     stop_requested: Callable[[], bool] = lambda: False
     stop_check_every: int = 10
@@ -185,11 +185,11 @@ def _nonfinite_run(losses: list[float]) -> int:
     return n
 
 
-def optimizer_step(engine, batches: Iterator[dict], loss_fn: Callable, plan: BatchPlan,
+def optimizer_step(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
                    accumulation: str, dtype: torch.dtype) -> torch.Tensor:
-    """One optimizer step over `plan.accumulation` micro-batches -> the step's loss."""
-    micro = [next(batches) for _ in range(plan.accumulation)]
-    if accumulation == "global" and plan.accumulation > 1:
+    """One optimizer step over `sizes.accumulation` micro-batches -> the step's loss."""
+    micro = [next(batches) for _ in range(sizes.accumulation)]
+    if accumulation == "global" and sizes.accumulation > 1:
         return train_step_global(engine, micro, loss_fn, dtype)
     return torch.stack([train_step(engine, b, loss_fn, dtype) for b in micro]).mean()
 
@@ -211,7 +211,7 @@ def restore_client_state(state: dict[str, Any]) -> tuple[int, TrainResult]:
     return state["step"], result
 
 
-def train(engine, batches: Iterator[dict], loss_fn: Callable, plan: BatchPlan, steps: int,
+def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes, steps: int,
           log_every: int, reporter: ProgressReporter, accumulation: str = "plain", *,
           hooks: Sequence[Callable[[int, Any], dict | None]] = (), checkpointer=None,
           guard: Guard | None = None, loader=None, resume: dict | None = None,
@@ -235,7 +235,7 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, plan: BatchPlan, s
     for step in range(start + 1, last + 1):
         guard.before_step(step, rank, world)
         result.lrs.append(float(engine.get_lr()[0]))
-        loss = optimizer_step(engine, batches, loss_fn, plan, accumulation, dtype)
+        loss = optimizer_step(engine, batches, loss_fn, sizes, accumulation, dtype)
         pending.append(guard.loss_hook(step, loss, rank))
         if step == start + 1:
             t_first = time.perf_counter()   # excludes lazy init / first-call overheads
@@ -252,7 +252,7 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, plan: BatchPlan, s
         _check_finite(result.losses, step, guard)
         if step % log_every == 0 or step == last or stop:
             elapsed = time.perf_counter() - t_first - paused
-            rate = plan.global_batch * (step - start - 1) / elapsed if step > start + 1 else float("nan")
+            rate = sizes.global_batch * (step - start - 1) / elapsed if step > start + 1 else float("nan")
             reporter.update(step, {"loss": result.losses[-1], "lr": result.lrs[-1], "samples/s": rate,
                                    "loss_scale": loss_scale(engine), **_counts(engine, result)})
         finite = not guard.check_nonfinite or all(math.isfinite(v) for v in losses)
@@ -272,7 +272,7 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, plan: BatchPlan, s
     end = time.perf_counter()
     result.seconds = seconds_before + end - t_start
     done = len(result.losses) - start
-    result.samples_per_s = plan.global_batch * (done - 1) / (end - t_first - paused) if done > 1 else 0.0
+    result.samples_per_s = sizes.global_batch * (done - 1) / (end - t_first - paused) if done > 1 else 0.0
     result.optimizer_steps = engine.global_steps
     result.micro_steps = engine.micro_steps
     result.skipped_steps = int(getattr(engine, "skipped_steps", 0))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rsclip_ds.synthetic import make_synthetic
-from rsclip_ds.tokenizer import iter_captions, train_tokenizer
+from rsclip_ds.data.synthetic import make_synthetic
+from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rsclip_ds.synthetic import make_synthetic
-from rsclip_ds.tokenizer import iter_captions, train_tokenizer
+from rsclip_ds.data.synthetic import make_synthetic
+from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = ROOT / "configs" / "tiny_demo.yaml"

@@ -20,15 +20,10 @@ import deepspeed
 import torch
 
 from rsclip_ds.config import load_config
-from rsclip_ds.data import build_train_loader
-from rsclip_ds.distributed import destroy_distributed, init_distributed
-from rsclip_ds.engine import build_engine, engine_dtype
-from rsclip_ds.evaluate import Embedder, EvalSets, build_eval_hook
-from rsclip_ds.losses import build_loss
-from rsclip_ds.model import build_model, new_dual_encoder, save_pretrained
-from rsclip_ds.profiles import build_ds_config, derive_batch, load_profile
-from rsclip_ds.progress import ProgressReporter
-from rsclip_ds.train import train
+from rsclip_ds.engine import engine_dtype
+from rsclip_ds.evaluation import Embedder, EvalSets
+from rsclip_ds.model import new_dual_encoder, save_pretrained
+from rsclip_ds.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,24 +38,14 @@ def main() -> None:
     index = json.loads((args.data / "index.json").read_text())
     run = load_config(ROOT / "configs" / "tiny_demo.yaml", [
         "profile=zero3", "precision=fp32", "logging.progress=plain", f"output_dir={args.out}",
+        "checkpoint.at_end=false",
         f"data.train_shards={args.data}/train-{{000000..{len(index['train']) - 1:06d}}}.tar",
         f"model.tokenizer={args.data / 'tokenizer'}", f"eval.zero_shot_dir={args.data / 'eval/classes'}",
         f"eval.retrieval_json={args.data / 'eval/captions.json'}", "eval.every=1000000"] + args.set)
-    info = init_distributed()
-    try:
-        rank, world = info.rank, info.world_size
-        plan = derive_batch(run, world)
-        bundle = build_model(run.model, run.seed, loss=run.loss.name)
-        engine = build_engine(bundle.model, build_ds_config(run, load_profile(run.profile), world, on_gpu=False))
-        hook = build_eval_hook(run, bundle, rank, world)   # train() calls it at step 0 too
-        loader = build_train_loader(run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
-                                    image_mean=bundle.image_mean, image_std=bundle.image_std,
-                                    max_text_length=bundle.max_text_length, micro_batch_size=plan.micro,
-                                    rank=rank, world_size=world, seed=run.seed)
-        loss_fn = build_loss(run.loss.name, negatives=run.loss.negatives, rank=rank, world_size=world)
-        result = train(engine, iter(loader), loss_fn, plan, run.steps, run.logging.log_every,
-                       ProgressReporter(run.steps, "plain", enabled=rank == 0),
-                       accumulation=run.batch.accumulation, hooks=[hook])
+    with Trainer(run) as trainer:   # the run as `rsclip-ds train` assembles it; its eval hook included
+        summary = trainer.train()
+        rank, world = trainer.info.rank, trainer.info.world_size
+        engine, bundle = trainer.parts.engine, trainer.parts.bundle
         # the trained model's retrieval embeddings, through the ZeRO-3 engine
         sets = EvalSets.from_config(run.eval)
         engine.eval()
@@ -76,10 +61,8 @@ def main() -> None:
             save_pretrained(full, bundle.tokenizer, args.out / "export", bundle.image_mean, bundle.image_std)
             torch.save({"image": image_emb, "text": text_emb}, args.out / "embeddings.pt")
             (args.out / "result.json").write_text(json.dumps({
-                "world": world, "stage": load_profile(run.profile).stage, "before": result.evals[0],
-                "evals": result.evals, "losses": result.losses, "lrs": result.lrs}, indent=2))
-    finally:
-        destroy_distributed()
+                "world": world, "stage": summary["zero_stage"], "before": summary["evals"][0],
+                "evals": summary["evals"], "losses": summary["losses"], "lrs": summary["lrs"]}, indent=2))
 
 
 if __name__ == "__main__":

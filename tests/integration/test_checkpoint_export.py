@@ -33,14 +33,15 @@ def _worker(argv: list[str]) -> None:
     """Train with a hook that embeds the probe batch through the engine after the last step."""
     import torch.distributed as dist
 
-    from rsclip_ds.cli import _strip_local_rank, run_training
+    from rsclip_ds.cli import strip_local_rank
     from rsclip_ds.config import load_config
+    from rsclip_ds.trainer import Trainer
 
     p = argparse.ArgumentParser()
     p.add_argument("--embeddings", required=True)
     p.add_argument("--config")
     p.add_argument("--set", action="append", default=[])
-    args = p.parse_args(_strip_local_rank(argv))
+    args = p.parse_args(strip_local_rank(argv))
     run = load_config(args.config, args.set)
 
     def hook(step, engine):
@@ -57,7 +58,8 @@ def _worker(argv: list[str]) -> None:
             torch.save({"pixels": pixels, "ids": ids, "image": image, "text": text}, args.embeddings)
         return {"probe_image_norm": float(image.norm(dim=-1).mean())}
 
-    run_training(run, hooks=[hook])
+    with Trainer(run, hooks=[hook]) as trainer:
+        trainer.train()
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from rsclip_ds.synthetic import make_synthetic
-from rsclip_ds.tokenizer import iter_captions, train_tokenizer
+from rsclip_ds.data.synthetic import make_synthetic
+from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
 
 from .conftest import BASE_OVERRIDES, ROOT, deepspeed_cmd, free_port, run_checked
 

@@ -15,8 +15,8 @@ import pytest
 from webdataset import TarWriter
 
 from rsclip_ds.config import DataConfig
-from rsclip_ds.data import _Counter, build_train_loader, read_shard
-from rsclip_ds.synthetic import make_synthetic
+from rsclip_ds.data import StreamCounter, build_train_loader, read_shard
+from rsclip_ds.data.synthetic import make_synthetic
 from rsclip_ds.model import load_tokenizer
 from tests.integration.conftest import ROOT, deepspeed_cmd, free_port, launch_env, run_checked, train_args
 
@@ -30,7 +30,7 @@ def messy(tmp_path_factory, launch_data):
     caption), trunc.tar (a shard cut at 60%) and empty.tar: 8 shards for 2 ranks x 3 workers."""
     out = tmp_path_factory.mktemp("messy")
     make_synthetic(out, num_train=600, num_val=8, shard_size=128, image_size=32, seed=1, progress=False)
-    samples = list(itertools.islice(read_shard(str(out / "train-000000.tar"), _Counter({})), 10))
+    samples = list(itertools.islice(read_shard(str(out / "train-000000.tar"), StreamCounter({})), 10))
     for s in samples[:3]:
         s["jpg"] = s["jpg"][:100]
     del samples[3]["txt"]

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from rsclip_ds.config import EvalConfig, ModelConfig
-from rsclip_ds.evaluate import Embedder, EvalSets, evaluate
+from rsclip_ds.evaluation import Embedder, EvalSets, evaluate
 from rsclip_ds.model import build_model
-from rsclip_ds.synthetic import make_synthetic
-from rsclip_ds.tokenizer import iter_captions, train_tokenizer
+from rsclip_ds.data.synthetic import make_synthetic
+from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
 
 from .conftest import ROOT, deepspeed_cmd, free_port, run_checked
 

@@ -4,12 +4,12 @@ import json
 
 import pytest
 
-from rsclip_ds.cli import _strip_local_rank, main
+from rsclip_ds.cli import strip_local_rank, main
 
 
 def test_launcher_local_rank_is_accepted_anywhere():
-    assert _strip_local_rank(["--local_rank=1", "train", "--set", "a=1"]) == ["train", "--set", "a=1"]
-    assert _strip_local_rank(["train", "--local_rank", "0", "--config", "x"]) == ["train", "--config", "x"]
+    assert strip_local_rank(["--local_rank=1", "train", "--set", "a=1"]) == ["train", "--set", "a=1"]
+    assert strip_local_rank(["train", "--local_rank", "0", "--config", "x"]) == ["train", "--config", "x"]
 
 
 @pytest.mark.parametrize("sets, fragment", [

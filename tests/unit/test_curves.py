@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from rsclip_ds.curves import curve_series, plot_curves
+from rsclip_ds.reporting.curves import curve_series, plot_curves
 from rsclip_ds.train import TrainResult
 
 SUMMARY = {"losses": [9.0, 7.5, 6.0, 5.5], "lrs": [0.0, 1e-3, 1e-3, 5e-4],

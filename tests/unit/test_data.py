@@ -9,17 +9,17 @@ import pytest
 import torch
 
 from rsclip_ds.config import DataConfig
-from rsclip_ds.data import DataError, build_train_loader, expand_urls, shards_for_epoch
+from rsclip_ds.data import DataError, EpochSchedule, build_train_loader, expand_urls
 
 B = 8  # micro-batch; tiny_shards has 8 train shards of 8 samples
 
 
 def _loader(index, *, rank=0, world_size=1, seed=0, mean=(0.5,) * 3, std=(0.5,) * 3, flip=True, **data):
     cfg = DataConfig(**{"train_shards": index["train_pattern"], "num_workers": 0, "shuffle_buffer": 16,
-                        **data})
+                        "hflip": flip, **data})
     return build_train_loader(cfg, tokenizer=index["tokenizer"], image_size=16, image_mean=mean,
                               image_std=std, max_text_length=40, micro_batch_size=B, rank=rank,
-                              world_size=world_size, seed=seed, return_keys=True, flip=flip)
+                              world_size=world_size, seed=seed, return_keys=True)
 
 
 def _take(loader, n):
@@ -65,12 +65,12 @@ def test_expand_urls_errors_name_the_spec(tmp_path, spec):
 
 # --------------------------------------------------------------------------- shard assignment
 
-def test_shards_for_epoch_partition_every_epoch():
+def test_epoch_schedule_partitions_shards_every_epoch():
     urls = [f"s{i}.tar" for i in range(11)]
+    schedule = EpochSchedule([urls], [1.0], "exact", seed=5, world_size=2, num_workers=2, micro=1)
     orders = []
     for epoch in range(4):
-        parts = [shards_for_epoch(urls, epoch, seed=5, rank=r, world_size=2, worker=w, num_workers=2)
-                 for r in range(2) for w in range(2)]
+        parts = [schedule.shards(epoch, r, w) for r in range(2) for w in range(2)]
         flat = [u for p in parts for u in p]
         assert sorted(flat) == sorted(urls)  # disjoint and covering
         orders.append(flat)

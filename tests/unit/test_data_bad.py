@@ -15,7 +15,7 @@ from PIL import Image
 from webdataset import TarWriter
 
 from rsclip_ds.config import DataConfig
-from rsclip_ds.data import (BAD_KINDS, DataError, Preprocess, _Counter, build_epoch_plan,
+from rsclip_ds.data import (BAD_KINDS, DataError, ImageTransform, SampleDecoder, StreamCounter, build_epoch_schedule,
                             build_train_loader, read_shard)
 from tests.unit.test_data_resume import deadline
 
@@ -71,14 +71,14 @@ def bad_shards(tmp_path):
 
 
 def _prep():
-    return Preprocess(8, ["jpg"], ["txt"])
+    return SampleDecoder(ImageTransform(8), ["jpg"], ["txt"])
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_each_shard_is_counted_by_kind(bad_shards, name):
     (bad_shards["dir"] / "gone.tar").unlink()
     url = f"pipe:cat {bad_shards['dir']}/no-such.tar" if name == "pipe" else str(bad_shards["dir"] / f"{name}.tar")
-    counter = _Counter({})
+    counter = StreamCounter({})
     import random
     good = [s for s in read_shard(url, counter) if _prep()(s, random.Random(0), counter) is not None]
     assert {k: v for k, v in counter.bad.items() if v} == EXPECTED[name]
@@ -113,7 +113,7 @@ def test_loader_skips_and_counts_every_kind_and_resumes_the_counts(bad_shards, t
     spec, index = bad_shards["list"], bad_shards["index"]
     (bad_shards["dir"] / "gone.tar").unlink()
     loader = _loader(spec, tiny_tokenizer, shard_index=index)
-    plan = build_epoch_plan(DataConfig(train_shards=spec, shard_index=index, num_workers=0),
+    plan = build_epoch_schedule(DataConfig(train_shards=spec, shard_index=index, num_workers=0),
                             micro_batch_size=B, world_size=1, seed=0)
     assert plan.batches(0) == 14   # 29 samples counted (5 before the break): 3 passes of good ones
     it = iter(loader)

@@ -16,7 +16,7 @@ from PIL import Image
 from webdataset import TarWriter
 
 from rsclip_ds.config import DataConfig
-from rsclip_ds.data import Preprocess, build_epoch_plan, build_train_loader, shard_counts
+from rsclip_ds.data import ImageTransform, SampleDecoder, build_epoch_schedule, build_train_loader, shard_counts
 from tests.unit.test_data_resume import deadline, write_shards
 
 
@@ -39,7 +39,7 @@ def test_resampled_weights_set_the_mix_of_sources(tmp_path, tiny_tokenizer):
                          epoch_batches=10), 100)
     share_a = sum(k.startswith("a") for k in keys) / len(keys)
     assert 0.5 < share_a < 0.95           # 50 shard draws of p=0.75
-    plan = build_epoch_plan(DataConfig(train_shards=f"{a}::{b}", policy="resampled", train_weights=[3, 1],
+    plan = build_epoch_schedule(DataConfig(train_shards=f"{a}::{b}", policy="resampled", train_weights=[3, 1],
                                        num_workers=0), micro_batch_size=4, world_size=1, seed=0)
     draws = list(itertools.islice(plan.draw(0, 0, 0), 4000))
     assert abs(sum("/a-" in u for u in draws) / 4000 - 0.75) < 0.025
@@ -81,10 +81,10 @@ def test_rs5m_member_names_and_json_captions(tmp_path, tiny_tokenizer):
                         "json": json.dumps({"captions": [f"json caption {i}", "other"]}).encode()})
     keys = _keys(_loader(str(tmp_path / "rs5m.tar"), tiny_tokenizer), 2)   # defaults find them
     assert sorted(keys) == [f"r{i}" for i in range(8)]
-    prep = Preprocess(8, ["img_content"], ["json"])
-    from rsclip_ds.data import _Counter, read_shard
-    sample = next(read_shard(str(tmp_path / "rs5m.tar"), _Counter({})))
-    draws = {prep(sample, random.Random(s), _Counter({}))[1] for s in range(20)}
+    prep = SampleDecoder(ImageTransform(8), ["img_content"], ["json"])
+    from rsclip_ds.data import StreamCounter, read_shard
+    sample = next(read_shard(str(tmp_path / "rs5m.tar"), StreamCounter({})))
+    draws = {prep(sample, random.Random(s), StreamCounter({}))[1] for s in range(20)}
     assert draws == {"json caption 0", "other"}
 
 
@@ -104,12 +104,12 @@ def _encode(arr) -> bytes:
 
 def test_flips_and_rotations_are_exact_transforms():
     data = _encode(_flat_image(16, 16))
-    base = Preprocess(16, ["png"], ["txt"]).image(data, random.Random(0))
+    base = ImageTransform(16)(data, random.Random(0))
     transforms = {"id": base, "h": base[:, ::-1], "v": base[::-1], "r90": np.rot90(base, 1),
                   "r180": np.rot90(base, 2), "r270": np.rot90(base, 3)}
     for flags in ({"hflip": True}, {"vflip": True}, {"rot90": True}):
-        prep = Preprocess(16, ["png"], ["txt"], **flags)
-        outs = [prep.image(data, random.Random(s)) for s in range(40)]
+        prep = ImageTransform(16, **flags)
+        outs = [prep(data, random.Random(s)) for s in range(40)]
         names = {next(n for n, t in transforms.items() if np.array_equal(o, t)) for o in outs}
         want = {"hflip": {"id", "h"}, "vflip": {"id", "v"}, "rot90": {"id", "r90", "r180", "r270"}}
         assert names == want[next(iter(flags))]
@@ -118,7 +118,7 @@ def test_flips_and_rotations_are_exact_transforms():
 def test_random_resized_crop_covers_the_asked_area():
     arr = np.arange(64 * 64 * 3, dtype=np.uint32).reshape(64, 64, 3) % 251
     data = _encode(arr.astype(np.uint8))
-    prep = Preprocess(16, ["png"], ["txt"], crop=(0.25, 0.25))
+    prep = ImageTransform(16, crop=(0.25, 0.25))
     boxes = []
     orig = Image.Image.resize
 
@@ -127,7 +127,7 @@ def test_random_resized_crop_covers_the_asked_area():
         return orig(self, size, resample, box, **kw)
     Image.Image.resize = spy
     try:
-        outs = [prep.image(data, random.Random(s)) for s in range(10)]
+        outs = [prep(data, random.Random(s)) for s in range(10)]
     finally:
         Image.Image.resize = orig
     assert all(o.shape == (16, 16, 3) for o in outs)
@@ -161,7 +161,7 @@ def test_counts_from_img2dataset_stats_and_tar_headers(tmp_path):
 def test_tar_reader_matches_tarfile_for_every_format(tmp_path, fmt):
     import tarfile
 
-    from rsclip_ds.data import _Counter, read_shard
+    from rsclip_ds.data import StreamCounter, read_shard
     path = tmp_path / f"{fmt}.tar"
     fmts = {"pax": tarfile.PAX_FORMAT, "gnu": tarfile.GNU_FORMAT, "ustar": tarfile.USTAR_FORMAT}
     long_dir = "d" * 90 if fmt == "ustar" else "d" * 150   # ustar: a long name goes in the prefix field
@@ -172,7 +172,7 @@ def test_tar_reader_matches_tarfile_for_every_format(tmp_path, fmt):
             info = tarfile.TarInfo(name)
             info.size = size
             tar.addfile(info, io.BytesIO(bytes([i]) * size))
-    counter = _Counter({})
+    counter = StreamCounter({})
     got = list(read_shard(str(path), counter))
     assert [(s["__key__"], {k: len(v) for k, v in s.items() if not k.startswith("__")}) for s in got] == \
         [("a", {"jpg": 5, "txt": 0}), (f"{long_dir}/b", {"jpg": 1000, "txt": 512})]

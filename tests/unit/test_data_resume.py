@@ -16,7 +16,7 @@ from PIL import Image
 from webdataset import TarWriter
 
 from rsclip_ds.config import DataConfig
-from rsclip_ds.data import build_epoch_plan, build_train_loader
+from rsclip_ds.data import build_epoch_schedule, build_train_loader
 
 B, WORLD = 2, 2
 COUNTS = [7, 9, 8, 6, 10]   # 40 samples in 5 shards: 4 streams cannot be equal
@@ -73,7 +73,7 @@ def _no_tokenizer_threads(monkeypatch):
 
 
 def test_exact_epochs_equal_batches_on_every_rank(shards):
-    plan = build_epoch_plan(DataConfig(train_shards=shards, num_workers=2), micro_batch_size=B,
+    plan = build_epoch_schedule(DataConfig(train_shards=shards, num_workers=2), micro_batch_size=B,
                             world_size=WORLD, seed=3)
     # epoch 0 by hand: the streams' shards and how many full batches each can fill
     sizes = {f"s{s}": n for s, n in enumerate(COUNTS)}
@@ -108,13 +108,13 @@ def test_every_rank_gets_the_same_batches_per_epoch_and_no_hang(shards, tiny_tok
     counts = [epochs[0].count(e) for e in range(max(epochs[0]))]
     if policy == "resampled":
         assert counts == [7] * len(counts)
-    plan = build_epoch_plan(DataConfig(train_shards=shards, policy=policy, num_workers=2, **extra),
+    plan = build_epoch_schedule(DataConfig(train_shards=shards, policy=policy, num_workers=2, **extra),
                             micro_batch_size=B, world_size=WORLD, seed=3)
     assert counts == [plan.batches(e) for e in range(len(counts))]
 
 
 def test_exact_epoch_reads_each_sample_at_most_once_per_rank(shards, tiny_tokenizer):
-    plan = build_epoch_plan(DataConfig(train_shards=shards, num_workers=2), micro_batch_size=B,
+    plan = build_epoch_schedule(DataConfig(train_shards=shards, num_workers=2), micro_batch_size=B,
                             world_size=WORLD, seed=3)
     n0 = plan.batches(0)
     seen = []

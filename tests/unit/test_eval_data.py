@@ -8,9 +8,10 @@ import torch
 from PIL import Image
 
 from rsclip_ds.config import ConfigError, EvalConfig, ModelConfig, load_config
-from rsclip_ds.evaluate import (Embedder, EvalSets, class_embeddings, class_name_from_folder,
-                                interleave_ranks, load_caption_json, load_class_folders, load_templates)
-from rsclip_ds.synthetic import LAND_COVER_CLASSES, TEMPLATES, make_synthetic
+from rsclip_ds.evaluation.datasets import (EvalSets, class_name_from_folder, load_caption_json,
+                                           load_class_folders, load_templates)
+from rsclip_ds.evaluation.embed import Embedder, class_embeddings, interleave_ranks
+from rsclip_ds.data.synthetic import LAND_COVER_CLASSES, TEMPLATES, make_synthetic
 
 
 @pytest.mark.parametrize("folder, name", [
@@ -134,7 +135,7 @@ def test_synthetic_eval_layout(synth, tmp_path):
 def test_embedding_does_not_depend_on_batch_size(synth, tmp_path):
     out, index = synth
     from rsclip_ds.model import build_model
-    from rsclip_ds.tokenizer import iter_captions, train_tokenizer
+    from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
 
     train_tokenizer(iter_captions([str(out / s["url"]) for s in index["train"]]), tmp_path / "tok",
                     vocab_size=200)

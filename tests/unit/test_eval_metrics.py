@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rsclip_ds.evaluate import retrieval_metrics, zero_shot_metrics
+from rsclip_ds.evaluation.metrics import retrieval_metrics, zero_shot_metrics
 
 
 def test_retrieval_hand_computed():

@@ -12,7 +12,9 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 from rsclip_ds.memory import (GiB, Budget, _probe, activation_bytes_per_sample, model_state_bytes, plan,
                               preset_spec, recommend, saved_bytes, scaled_spec)
 from rsclip_ds.model import new_dual_encoder, preset_config
-from rsclip_ds.plan_cli import add_plan_parser, cmd_plan, parse_bytes
+from rsclip_ds.cli.plan import parse_bytes
+from rsclip_ds.cli.plan import register as add_plan_parser
+from rsclip_ds.cli.plan import run as cmd_plan
 
 PSI, LAYER = 652_150_786, 32_768_000   # git-rsclip-large, its token embedding
 NO_BUCKETS = {"reduce_bucket_size": 0, "allgather_bucket_size": 0, "stage3_prefetch_bucket_size": 0}

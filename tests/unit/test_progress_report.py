@@ -3,8 +3,8 @@ import logging
 
 from rsclip_ds.config import load_config
 from rsclip_ds.profiles import derive_batch, load_profile
-from rsclip_ds.progress import ProgressReporter
-from rsclip_ds.report import build_summary, print_summary, write_summary
+from rsclip_ds.reporting.progress import ProgressReporter
+from rsclip_ds.reporting.summary import build_summary, print_summary, write_summary
 from rsclip_ds.train import TrainResult
 
 
@@ -32,7 +32,7 @@ def test_summary_has_the_batch_arithmetic_and_loss_window(tmp_path, capsys):
     run = load_config(None, ["batch.micro_batch_size=4", "batch.gradient_accumulation_steps=2"])
     result = TrainResult(losses=[9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0], lrs=[0.0] * 7, optimizer_steps=7,
                          micro_steps=14, seconds=2.0, samples_per_s=48.0)
-    s = build_summary(result, profile=load_profile("zero2"), plan=derive_batch(run, 3),
+    s = build_summary(result, profile=load_profile("zero2"), batch=derive_batch(run, 3),
                       precision="bf16", preset="tiny", num_parameters=210_000,
                       activation_checkpointing=False, loss="siglip", negatives="global",
                       accumulation="global")

@@ -160,7 +160,7 @@ def test_loader_reads_made_shards_and_draws_every_caption(rsicd, tiny_tokenizer)
     loader = build_train_loader(cfg, tokenizer=tiny_tokenizer, image_size=8, image_mean=(0.5,) * 3,
                                 image_std=(0.5,) * 3, max_text_length=40, micro_batch_size=2, rank=0,
                                 world_size=1, seed=0, return_keys=True)
-    assert loader.plan.counts == {str(out / f"train-00000{i}.tar"): n for i, n in enumerate([2, 2, 2])}
+    assert loader.schedule.counts == {str(out / f"train-00000{i}.tar"): n for i, n in enumerate([2, 2, 2])}
     seen: dict[str, set] = {}
     for batch in itertools.islice(iter(loader), 60):   # 20 epochs of 3 batches
         for key, ids in zip(batch["keys"], batch["input_ids"]):
@@ -170,7 +170,7 @@ def test_loader_reads_made_shards_and_draws_every_caption(rsicd, tiny_tokenizer)
 
 
 def test_bmp_becomes_png_and_resized_tif_becomes_jpeg(tmp_path):
-    from rsclip_ds.shards import Encoding, load_image
+    from rsclip_ds.data.shard_writer import Encoding, load_image
     _image(tmp_path / "a.bmp", size=(20, 10), fmt="BMP")
     _image(tmp_path / "b.tif", size=(40, 20), fmt="TIFF")
     data, ext = load_image(tmp_path / "a.bmp", Encoding())

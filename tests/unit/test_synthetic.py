@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from rsclip_ds.data import expand_urls
-from rsclip_ds.synthetic import LAND_COVER_CLASSES, make_synthetic, render_sample, sample_rng
+from rsclip_ds.data.synthetic import LAND_COVER_CLASSES, make_synthetic, render_sample, sample_rng
 
 
 def _digest(folder) -> dict[str, str]:

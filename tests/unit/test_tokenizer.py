@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from rsclip_ds.tokenizer import iter_captions, tokenize, train_tokenizer
+from rsclip_ds.data.tokenizer import iter_captions, tokenize, train_tokenizer
 
 
 def _urls(index, split="train"):
@@ -61,7 +61,7 @@ def test_reload_from_folder_gives_same_ids(tiny_shards, tiny_tokenizer, tmp_path
 
 _TRAIN_IN_SUBPROCESS = """
 import sys
-from rsclip_ds.tokenizer import train_tokenizer
+from rsclip_ds.data.tokenizer import train_tokenizer
 caps = [f"a {c} field with {n} {o} in the {p}" for c in ("green", "brown", "sparse") for n in ("two", "many")
         for o in ("houses", "trees", "ponds") for p in ("top left", "centre", "bottom right")]
 train_tokenizer(caps, sys.argv[1], vocab_size=200, max_length=16)

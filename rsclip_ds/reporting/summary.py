@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rsclip_ds.profiles import BatchPlan, Profile
+from rsclip_ds.profiles import BatchSizes, Profile
 from rsclip_ds.train import TrainResult
 
 
@@ -15,7 +15,7 @@ def _window_mean(values: list[float], head: bool, n: int = 5) -> float:
     return sum(window) / max(1, len(window))
 
 
-def build_summary(result: TrainResult, *, profile: Profile, plan: BatchPlan, precision: str,
+def build_summary(result: TrainResult, *, profile: Profile, batch: BatchSizes, precision: str,
                   preset: str, num_parameters: int, activation_checkpointing: bool,
                   loss: str, negatives: str, accumulation: str) -> dict[str, Any]:
     return {
@@ -24,8 +24,8 @@ def build_summary(result: TrainResult, *, profile: Profile, plan: BatchPlan, pre
         "activation_checkpointing": activation_checkpointing, "precision": precision,
         "model": preset, "parameters": num_parameters, "loss": loss,
         "negatives": negatives, "accumulation_mode": accumulation,
-        "micro_batch": plan.micro, "accumulation": plan.accumulation, "world_size": plan.world,
-        "global_batch": plan.global_batch, "batch_arithmetic": str(plan),
+        "micro_batch": batch.micro, "accumulation": batch.accumulation, "world_size": batch.world,
+        "global_batch": batch.global_batch, "batch_arithmetic": str(batch),
         "loss_start": _window_mean(result.losses, head=True),
         "loss_end": _window_mean(result.losses, head=False),
         **result.to_dict(),

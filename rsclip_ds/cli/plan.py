@@ -26,7 +26,7 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+def register(subparsers) -> argparse.ArgumentParser:
     from rsclip_ds.model import PRESETS
 
     p = subparsers.add_parser("plan", help="predict memory per GPU for every profile and pick one")
@@ -45,6 +45,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print rows and the recommendation as JSON")
     p.add_argument("--write-config", type=Path, metavar="PATH",
                    help="write the recommended row's resolved DeepSpeed JSON here and print the launch command")
+    p.set_defaults(handler=run)
     return p
 
 
@@ -84,7 +85,7 @@ def _print_table(rows, best, args, spec) -> None:
                   "Nothing fits: add GPUs or nodes, or use a smaller model.")
 
 
-def cmd_plan(args) -> int:
+def run(args) -> int:
     from rsclip_ds.memory import Budget, preset_spec, plan, recommend, scaled_spec
 
     spec = scaled_spec(args.params) if args.params else preset_spec(args.model)
@@ -120,8 +121,8 @@ def write_config(row, args, world_size: int, path: Path) -> dict:
     from rsclip_ds.config import load_config
     from rsclip_ds.profiles import build_ds_config, load_profile
 
-    run = load_config(None, _overrides(row, args))
-    ds = build_ds_config(run, load_profile(row.profile), world_size, on_gpu=True)   # we plan for GPUs
+    cfg = load_config(None, _overrides(row, args))
+    ds = build_ds_config(cfg, load_profile(row.profile), world_size, on_gpu=True)   # we plan for GPUs
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(ds, indent=2))
     return ds

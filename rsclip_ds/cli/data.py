@@ -1,0 +1,128 @@
+"""Data commands: `make-shards` (caption datasets -> webdataset shards), `make-synthetic`
+(synthetic overhead-imagery shards and evaluation sets), `train-tokenizer`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rsclip_ds.config import ConfigError
+from rsclip_ds.data.shard_writer import Encoding, Record, make_shards, read_folder, read_karpathy, read_table
+
+
+def register(sub) -> None:
+    _register_make_shards(sub)
+    p = sub.add_parser("make-synthetic", help="write synthetic remote-sensing image-caption shards")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--num-train", type=int, default=4096)
+    p.add_argument("--num-val", type=int, default=512)
+    p.add_argument("--eval", action="store_true", help="also write the val split as a class-folder "
+                   "tree (eval/classes/) and a caption JSON (eval/captions.json) for `rsclip-ds eval`")
+    p.add_argument("--shard-size", type=int, default=512)
+    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(handler=make_synthetic_command)
+    p = sub.add_parser("train-tokenizer", help="train a tokenizer on the captions of shards")
+    p.add_argument("--shards", required=True, help="brace pattern / glob / list file of shards")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--vocab-size", type=int, default=1000)
+    p.add_argument("--max-length", type=int, default=64)
+    p.add_argument("--caption-key", default="txt")
+    p.set_defaults(handler=train_tokenizer_command)
+
+
+def make_synthetic_command(args) -> int:
+    from rsclip_ds.data.synthetic import make_synthetic
+
+    info = make_synthetic(args.out, num_train=args.num_train, num_val=args.num_val,
+                          shard_size=args.shard_size, image_size=args.image_size, seed=args.seed,
+                          eval_layout=args.eval)
+    print(json.dumps({k: v for k, v in info.items() if k not in ("train", "val")}, indent=2))
+    return 0
+
+
+def train_tokenizer_command(args) -> int:
+    from rsclip_ds.data import expand_urls
+    from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
+
+    tok = train_tokenizer(iter_captions(expand_urls(args.shards), args.caption_key), args.out,
+                          vocab_size=args.vocab_size, max_length=args.max_length)
+    print(f"tokenizer with {len(tok)} tokens written to {args.out}")
+    return 0
+
+
+def _register_make_shards(sub) -> None:
+    p = sub.add_parser("make-shards", help="write webdataset shards from a caption JSON, a CSV/JSONL "
+                       "table or an image folder with .txt captions")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--karpathy", type=Path, help="Karpathy-style caption JSON (RSICD, UCM, Sydney, RSITMD)")
+    src.add_argument("--table", type=Path, help="CSV/TSV (header row) or JSONL of image path + caption")
+    src.add_argument("--folder", type=Path, help="image folder with a .txt caption file per image")
+    p.add_argument("--images", type=Path, help="image folder of --karpathy; root of relative --table "
+                   "paths (default: the table's folder)")
+    p.add_argument("--out", required=True, type=Path, help="output folder (shards, index.json, report)")
+    p.add_argument("--split", default=None, help="keep these splits, comma-separated (e.g. train or "
+                   "train,restval); default: all. Also the shard name prefix unless --prefix")
+    p.add_argument("--prefix", default=None, help="shard names {prefix}-000000.tar (default: the split, "
+                   "or 'train')")
+    p.add_argument("--path-column", default="path", help="--table: column with the image path")
+    p.add_argument("--caption-column", default="caption", help="--table: column with the caption")
+    p.add_argument("--split-column", default=None, help="--table: column with the split (for --split)")
+    p.add_argument("--shard-size", type=int, default=1000, help="samples per shard at most")
+    p.add_argument("--shard-bytes", type=float, default=0, help="payload bytes per shard at most "
+                   "(a shard closes after the sample that reaches it; 0: no limit), e.g. 1e9")
+    p.add_argument("--max-side", type=int, default=0, help="re-encode images whose longer side is "
+                   "above this (aspect kept); 0 copies them as they are")
+    p.add_argument("--format", default="keep", choices=["keep", "jpg", "png", "webp"],
+                   help="image format in the shards; 'keep' copies files (re-encoding only resized "
+                   "ones, resized .tif as jpg, .bmp as png)")
+    p.add_argument("--quality", type=int, default=95, help="JPEG/WebP quality when re-encoding")
+    p.add_argument("--workers", type=int, default=1, help="processes reading/re-encoding images "
+                   "(output is the same for any number)")
+    p.set_defaults(handler=make_shards_command)
+
+
+def _records(args) -> tuple[list[Record], Path | None]:
+    splits = {s.strip() for s in args.split.split(",")} if args.split else None
+    if args.karpathy:
+        if args.images is None:
+            raise ValueError("--karpathy needs --images, the folder holding the images it names")
+        return list(read_karpathy(args.karpathy, args.images, splits)), args.images
+    if args.table:
+        if splits and not args.split_column:
+            raise ValueError("--split with --table needs --split-column naming the split column")
+        root = args.images or args.table.parent
+        return list(read_table(args.table, args.images, args.path_column, args.caption_column,
+                               args.split_column, splits)), root
+    return list(read_folder(args.folder)), args.folder
+
+
+def make_shards_command(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(stderr=True)
+    prefix = args.prefix or (args.split.split(",")[0] if args.split else "train")
+    try:
+        records, root = _records(args)
+        info = make_shards(records, args.out, prefix=prefix, shard_size=args.shard_size,
+                           shard_bytes=args.shard_bytes, root=root, workers=args.workers,
+                           encoding=Encoding(args.max_side, args.format, args.quality), console=console)
+    except (ValueError, OSError) as err:
+        raise ConfigError(str(err)) from None
+    table = Table(title=f"make-shards {prefix} -> {args.out}")
+    table.add_column("what")
+    table.add_column("count", justify="right")
+    table.add_row("samples written", str(info["num_samples"]))
+    table.add_row("shards", str(info["num_shards"]))
+    table.add_row("captions", str(info["captions"]))
+    for kind, n in info["skipped"].items():
+        table.add_row(f"skipped: {kind}", str(n))
+    console.print(table)
+    for kind, paths in info["examples"].items():
+        console.print(f"[yellow]skipped ({kind})[/yellow] e.g. " + "; ".join(paths[:3]))
+    if info["skipped"]:
+        console.print(f"every skipped input: {args.out / f'{prefix}-report.json'}")
+    print(json.dumps({"train_shards": str(args.out / info["pattern"]), "num_samples": info["num_samples"],
+                      "num_shards": info["num_shards"], "skipped": info["skipped"]}))
+    return 0

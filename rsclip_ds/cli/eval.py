@@ -1,0 +1,158 @@
+"""`rsclip-ds eval`: zero-shot classification and retrieval for a checkpoint or a Hugging Face
+folder, alone or under the deepspeed launcher (items split over ranks).
+
+    rsclip-ds eval --model runs/export/ --zero-shot data/AID --retrieval data/RSICD/dataset_rsicd.json
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from rsclip_ds.config import ConfigError, EvalConfig
+from rsclip_ds.evaluation import Embedder, EvalSets, evaluate, flat_metrics
+from rsclip_ds.evaluation.hook import build_monitor, log_results, write_monitor
+from rsclip_ds.model import ModelBundle
+
+log = logging.getLogger("rsclip_ds")
+
+
+def print_results(results: dict, title: str) -> None:
+    """A rich table of the scalar metrics, and one of the per-class zero-shot accuracies."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=title)
+    for col in ("metric", "value"):
+        table.add_column(col)
+    for key, value in flat_metrics(results).items():
+        table.add_row(key, f"{100 * value:.2f} %")
+    if "zero_shot" in results:
+        r = results["zero_shot"]
+        table.add_row("zero_shot/size", f"{r['num_images']} images, {r['num_classes']} classes")
+    if "retrieval" in results:
+        r = results["retrieval"]
+        table.add_row("retrieval/size", f"{r['num_images']} images, {r['num_texts']} captions")
+    console.print(table)
+    if "zero_shot" in results:
+        per_class = Table(title="zero-shot accuracy per class")
+        per_class.add_column("class")
+        per_class.add_column("top-1")
+        for name, acc in results["zero_shot"]["per_class"].items():
+            per_class.add_row(name, f"{100 * acc:.1f} %")
+        console.print(per_class)
+
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="zero-shot classification and retrieval for a checkpoint or a "
+                       "Hugging Face folder (alone, or under the deepspeed launcher: data split over ranks)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint", type=Path, help="a training checkpoint: {output_dir}/checkpoints/"
+                       "step{N:08d}, the checkpoints folder or the run's output_dir (newest checkpoint)")
+    which.add_argument("--model", type=Path, help="a Hugging Face folder (SiglipModel, tokenizer, "
+                       "image processor), e.g. from `rsclip-ds export`")
+    p.add_argument("--zero-shot", type=Path, help="class-folder data set (default for a checkpoint: "
+                   "the run's eval.zero_shot_dir)")
+    p.add_argument("--retrieval", type=Path, help="Karpathy-style caption JSON (default for a "
+                   "checkpoint: the run's eval.retrieval_json)")
+    p.add_argument("--retrieval-images", type=Path, help="folder of the caption JSON's images")
+    p.add_argument("--split", default=None, help="caption JSON split (default: test)")
+    p.add_argument("--templates", type=Path, help="prompt templates file (default: shipped RS set)")
+    p.add_argument("--batch-size", type=int, default=None, help="per rank (default 64)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--out", type=Path, help="results JSON (default: {output_dir}/eval/<tag>.json for a "
+                   "checkpoint, eval/<folder name>.json for a model folder)")
+    p.add_argument("--ds-config", type=Path, help="DeepSpeed config JSON whose tensorboard / csv_monitor "
+                   "/ wandb sections receive the metrics (default for a checkpoint: the run's ds_config.json)")
+    p.set_defaults(handler=run)
+
+
+def _eval_config(args, base: EvalConfig) -> EvalConfig:
+    """--flags over the run's eval section (a checkpoint) or the defaults (a model folder)."""
+    given = {"zero_shot_dir": args.zero_shot, "retrieval_json": args.retrieval,
+             "retrieval_images": args.retrieval_images, "retrieval_split": args.split,
+             "templates": args.templates, "batch_size": args.batch_size}
+    return base.model_copy(update={k: v for k, v in given.items() if v is not None})
+
+
+def _load_for_eval(args, loss: str = "siglip"):
+    """-> (bundle, step or None, EvalConfig defaults, default out path, DeepSpeed config or None)."""
+    from rsclip_ds.config import ModelConfig
+    from rsclip_ds.model import build_model
+
+    if args.model is not None:
+        bundle = build_model(ModelConfig(pretrained=args.model), seed=0, loss=loss)
+        return bundle, None, EvalConfig(), Path("eval") / f"{args.model.resolve().name}.json", None
+    from rsclip_ds.checkpoint import consolidated_state_dict, resolve_checkpoint
+
+    try:
+        root, tag = resolve_checkpoint(args.checkpoint)
+        run, state = consolidated_state_dict(Path(root) / tag)
+    except FileNotFoundError as err:
+        raise ConfigError(str(err)) from None
+    hf = Path(root) / tag / "hf"   # the checkpoint's own model config + tokenizer, when it has them
+    bundle = _bundle_from_hf_folder(hf, run.loss.name) if (hf / "config.json").is_file() else \
+        build_model(run.model, run.seed, loss=run.loss.name)
+    bundle.model.load_state_dict(state)
+    step = int(m.group(1)) if (m := re.fullmatch(r"step(\d+)", str(tag))) else None
+    ds_path = Path(root).parent / "ds_config.json"
+    ds_config = json.loads(ds_path.read_text()) if ds_path.is_file() else None
+    return bundle, step, run.eval, Path(root).parent / "eval" / f"{tag}.json", ds_config
+
+
+def _bundle_from_hf_folder(folder: Path, loss: str) -> ModelBundle:
+    """A randomly initialised model with the folder's architecture, tokenizer and normalisation
+    (the weights come from the checkpoint): independent of the run's original paths."""
+    from transformers import SiglipConfig, SiglipImageProcessorPil
+
+    from rsclip_ds.model import load_tokenizer, new_dual_encoder
+
+    model = new_dual_encoder(SiglipConfig.from_pretrained(str(folder)), loss)
+    proc = SiglipImageProcessorPil.from_pretrained(str(folder))
+    vc, tc = model.config.vision_config, model.config.text_config
+    return ModelBundle(model, load_tokenizer(folder), vc.image_size, tuple(proc.image_mean),
+                       tuple(proc.image_std), tc.max_position_embeddings)
+
+
+def run(args) -> int:
+    """The `rsclip-ds eval` handler: every rank embeds its share, rank 0 reports."""
+    from rsclip_ds.distributed import configure_logging, destroy_distributed, init_distributed
+
+    # everything that can fail (paths, checkpoint, data sets) before a process group exists
+    bundle, step, base, default_out, ds_config = _load_for_eval(args)
+    cfg = _eval_config(args, base)
+    sets = EvalSets.from_config(cfg)
+    if args.ds_config is not None:
+        if not args.ds_config.is_file():
+            raise ConfigError(f"--ds-config {args.ds_config}: file not found")
+        ds_config = json.loads(args.ds_config.read_text())
+    info = init_distributed()
+    try:
+        configure_logging(info.rank)
+        device = torch.device("cpu")
+        if info.on_gpu:
+            from deepspeed.accelerator import get_accelerator
+            device = torch.device(get_accelerator().device_name(info.local_rank))
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+        model = bundle.model.to(device, dtype).eval()
+        results = evaluate(Embedder(model, bundle, cfg.batch_size, info.rank, info.world_size, dtype,
+                                    device), sets)
+        if info.rank == 0:
+            source = str(args.checkpoint or args.model)
+            out = args.out or default_out
+            out.parent.mkdir(parents=True, exist_ok=True)
+            record = {"source": source, "step": step, "precision": args.precision, **results}
+            out.write_text(json.dumps(record, indent=2))
+            log_results(results, step)
+            print_results(results, f"rsclip-ds eval: {source}")
+            log.info("results written to %s", out)
+        write_monitor(build_monitor(ds_config) if ds_config else None, results, step or 0)
+        return 0
+    finally:
+        destroy_distributed()

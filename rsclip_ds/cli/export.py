@@ -1,0 +1,27 @@
+"""`rsclip-ds export`: a training checkpoint -> a Hugging Face folder (safetensors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rsclip_ds.config import ConfigError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export", help="write a Hugging Face folder (safetensors) from a checkpoint")
+    p.add_argument("checkpoint", help="run output_dir, its checkpoints/ folder, or a step######## folder")
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weight dtype (default fp32)")
+    p.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from rsclip_ds.checkpoint import export_hf
+
+    try:
+        out = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype)
+    except FileNotFoundError as err:
+        raise ConfigError(str(err)) from None
+    print(f"Hugging Face folder written to {out} ({args.dtype}, safetensors); load it with "
+          f"transformers.AutoModel.from_pretrained('{out}') or train from it with --set model.pretrained={out}")
+    return 0

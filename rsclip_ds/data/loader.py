@@ -1,0 +1,315 @@
+"""Streaming training data: webdataset tar shards -> decoded, tokenized, full micro-batches.
+
+Full guide: docs/data.md. In short:
+
+The parts: shard specs and counts (sources.py), which shards each rank and worker reads per
+epoch (schedule.py), tar reading (tar.py), decoding and augmentation (transforms.py), bad-data
+counting (bad.py). This module runs them: one stream per DataLoader worker.
+
+Within a stream. Raw samples (undecoded bytes) pass a shuffle buffer reseeded every epoch, then
+are decoded with PIL (JPEG ``Image.draft``), augmented (random resized crop, flips, 90 degree
+rotations; off by default), normalised with the model's mean/std, and batched; one of the
+image's captions is drawn. Augmentation and caption draws use a generator seeded by the sample
+(seed, epoch, shard, key), so they do not depend on what came before.
+
+Bad data. Missing or unreadable shard files, truncated tars, empty shards, corrupt images and
+samples without an image or caption are skipped and counted by kind (``loader.bad_data()``);
+the first examples of each kind are logged with their path, then one line per power of ten.
+More than ``data.max_bad_fraction`` bad samples or shards stops the run with ``DataError``.
+
+Resume. ``loader.state_dict()`` is the position after the last batch handed to the trainer
+(not after the batches the workers prefetched): per worker the epoch, the samples taken from its
+shuffle buffer, the batches delivered, the shards opened, its bad-data counts. A loader built
+with ``state=`` replays each worker's current epoch up to that point without decoding and then
+continues; it yields exactly the batches an uninterrupted loader would have yielded.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from rsclip_ds.config import DataConfig
+from rsclip_ds.data.bad import BAD_KINDS, DataError, StreamCounter, check_bad_fraction
+from rsclip_ds.data.schedule import EpochSchedule, build_epoch_schedule, derive_seed
+from rsclip_ds.data.tar import read_shard
+from rsclip_ds.data.tokenizer import tokenize
+from rsclip_ds.data.transforms import ImageTransform, Normalize, SampleDecoder
+
+log = logging.getLogger("rsclip_ds.data")
+STATE_VERSION = 1
+
+
+def _shuffled(src: Iterator[dict], bufsize: int, rng: random.Random) -> Iterator[dict]:
+    """Reservoir-style shuffle buffer: hold ``bufsize`` samples, emit a random one per new one."""
+    if bufsize <= 1:
+        yield from src
+        return
+    buf: list[dict] = []
+    for sample in src:
+        buf.append(sample)
+        if len(buf) >= bufsize:
+            i = rng.randrange(len(buf))
+            buf[i], buf[-1] = buf[-1], buf[i]
+            yield buf.pop()
+    rng.shuffle(buf)
+    yield from buf
+
+
+# --------------------------------------------------------------------------- one stream
+
+def _worker() -> tuple[int, int]:
+    """(worker id, worker count) of the calling DataLoader worker; (0, 1) in the main process."""
+    info = get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+_FRESH = {"epoch": 0, "taken": 0, "done": 0, "opened": 0, "closed": 0}
+
+
+class StreamDataset(IterableDataset):
+    """The endless batch stream of every worker of one rank (one DataLoader worker each).
+
+    Worker ``pid`` plays stream ``(pid + offset) % k``: a resumed DataLoader starts its round
+    robin at worker 0, the uninterrupted one would continue with stream ``batches % k``."""
+
+    def __init__(self, schedule: EpochSchedule, rank: int, prep: SampleDecoder, collate: "Collate",
+                 cfg: DataConfig, starts: list[dict | None], offset: int):
+        super().__init__()
+        self.schedule, self.rank, self.prep, self.collate = schedule, rank, prep, collate
+        # a shard's place in the shard list, not its path, seeds its samples' draws: the same
+        # data under another folder (another machine, a test's tmp dir) gives the same run
+        self.shard_ids = {url: i for i, url in enumerate(schedule.urls)}
+        self.cfg, self.starts, self.offset = cfg, starts, offset
+
+    def __iter__(self) -> Iterator[dict]:
+        pid, k = _worker()
+        stream = (pid + self.offset) % k
+        start = self.starts[stream] or _FRESH
+        counter = StreamCounter(start)
+        epoch, taken, done, opened, closed = (int(start[x]) for x in ("epoch", "taken", "done", "opened", "closed"))
+        while True:
+            quota = self.schedule.worker_batches(epoch, self.rank, stream)
+            if done < quota:
+                yield from self._epoch(epoch, stream, quota, (taken, done, opened, closed), counter)
+            epoch, taken, done, opened, closed = epoch + 1, 0, 0, 0, 0
+
+    def _raw(self, epoch: int, stream: int, counter: StreamCounter, rng: random.Random) -> Iterator[dict]:
+        """Shuffled, undecoded samples of this stream's epoch. 'exact' reads its shards again
+        (after the buffer drained the first pass) when bad data left them short of the quota;
+        'resampled' draws shards forever."""
+        schedule, bufsize = self.schedule, self.cfg.shuffle_buffer
+        if schedule.policy == "resampled":
+            yield from _shuffled(self._read(schedule.draw(epoch, self.rank, stream), 2 * len(schedule.urls) + 10,
+                                            stream, counter), bufsize, rng)
+            return
+        shards = schedule.shards(epoch, self.rank, stream)
+        while True:
+            yield from _shuffled(self._read(shards, len(shards), stream, counter), bufsize, rng)
+
+    def _read(self, shards, limit: int, stream: int, counter: StreamCounter) -> Iterator[dict]:
+        empty_run = 0
+        for url in shards:
+            got = 0
+            for sample in read_shard(url, counter):
+                got += 1
+                yield sample
+            empty_run = 0 if got else empty_run + 1
+            if empty_run >= limit:
+                raise DataError(f"rank {self.rank} stream {stream}: the last {empty_run} shards it read "
+                                f"held no readable sample (last: {url}); counts so far: "
+                                f"{ {k: v for k, v in counter.bad.items() if v} }. Check data.train_shards")
+
+    def _epoch(self, epoch: int, stream: int, quota: int, position: tuple[int, int, int, int],
+               counter: StreamCounter) -> Iterator[dict]:
+        """Batches of one epoch from ``position`` = (samples taken from the buffer, batches done,
+        shards opened, shards read to their end) on."""
+        (taken, done, opened, closed), seed, batch = position, self.schedule.seed, []
+        counter.opened = counter.closed = 0
+        counter.quiet_opened, counter.quiet_closed = opened, closed
+        rng = random.Random(derive_seed(seed, "buffer", epoch, self.rank, stream))
+        raw = self._raw(epoch, stream, counter, rng)
+        cfg, who = self.cfg, f"rank {self.rank} stream {stream}"
+        try:
+            for n, sample in enumerate(raw, start=1):
+                if n <= taken:
+                    continue   # resume: replayed without decoding
+                counter.samples += 1
+                sample_rng = random.Random(derive_seed(seed, "sample", epoch,
+                                                       self.shard_ids.get(sample["__url__"], sample["__url__"]),
+                                                       sample["__key__"]))
+                item = self.prep(sample, sample_rng, counter)
+                if item is None:   # the stream checks too: a rank may never see a batch otherwise
+                    check_bad_fraction(counter.bad, counter.samples, counter.shards, cfg.max_bad_fraction,
+                                       cfg.bad_data_min_samples, who, counter.examples)
+                    continue
+                batch.append(item)
+                if len(batch) == self.collate.micro:
+                    done += 1
+                    meta = {"stream": stream, "epoch": epoch, "taken": n, "done": done,
+                            "opened": counter.opened, "closed": counter.closed, "bad": dict(counter.bad), "samples": counter.samples,
+                            "shards": counter.shards, "events": counter.events}
+                    counter.events = []
+                    yield {**self.collate(batch), "_meta": meta}
+                    batch = []
+                    if done == quota:
+                        return
+        finally:
+            raw.close()
+
+
+class Collate:
+    """[(pixels uint8 (S,S,3), caption, key)] -> {"pixel_values": (B,3,S,S) float32 normalised,
+    "input_ids": (B,L) int64[, "keys"]}. Runs in the worker: the float32 conversion (~10% of a
+    decode) stays off the trainer's process, which drives the GPU."""
+
+    def __init__(self, tokenizer, max_text_length: int, micro: int, mean, std, return_keys: bool = False):
+        self.tokenizer, self.max_text_length, self.micro = tokenizer, max_text_length, micro
+        self.normalize = Normalize(mean, std)
+        self.return_keys = return_keys
+
+    def __call__(self, items: list[tuple]) -> dict:
+        pixels = np.stack([it[0] for it in items])                                # (B, S, S, 3) u8
+        b, s = pixels.shape[:2]
+        tensor = torch.empty((b, 3, s, s), dtype=torch.float32)
+        if get_worker_info() is not None:   # written once, straight into memory the main process maps
+            storage = tensor._typed_storage()._new_shared(tensor.numel(), device="cpu")   # as default_collate
+            tensor = tensor.new(storage).resize_((b, 3, s, s))
+        self.normalize(pixels, out=tensor.numpy())
+        batch = {"pixel_values": tensor,                                          # (B, 3, S, S)
+                 "input_ids": tokenize(self.tokenizer, [it[1] for it in items], self.max_text_length)}
+        if self.return_keys:
+            batch["keys"] = [it[2] for it in items]
+        return batch
+
+
+# --------------------------------------------------------------------------- the loader
+
+def _split_keys(keys: str) -> list[str]:
+    return [k.strip().lower() for k in keys.split(";") if k.strip()]
+
+
+class TrainLoader:
+    """Iterable of micro-batches for one rank, with a resumable position and bad-data counts."""
+
+    def __init__(self, schedule: EpochSchedule, rank: int, cfg: DataConfig, prep: SampleDecoder, collate: Collate,
+                 state: dict | None = None):
+        self.schedule, self.rank, self.cfg, self.prep, self.collate = schedule, rank, cfg, prep, collate
+        self.streams = schedule.workers_of(rank)
+        self.num_workers = self.streams if cfg.num_workers > 0 else 0   # DataLoader processes
+        self.batches = 0                                   # handed to the trainer
+        self._streams: list[dict | None] = [None] * self.streams
+        self.examples: dict[str, str] = {}                 # kind -> a path where it happened
+        if state is not None:
+            self._check(state)
+            self.batches, self._streams = int(state["batches"]), list(state["streams"])
+
+    # ---- position
+    def _identity(self) -> dict:
+        return {"version": STATE_VERSION, "policy": self.schedule.policy, "seed": self.schedule.seed,
+                "rank": self.rank, "world_size": self.schedule.world_size, "micro_batch_size": self.schedule.micro,
+                "streams": self.streams, "shards": self.schedule.digest(), "epoch_batches": self.schedule.epoch_batches}
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable position after the last batch handed out (see the module doc)."""
+        done = [s for s in self._streams if s]
+        return {**self._identity(), "batches": self.batches, "streams": [dict(s) if s else None for s in self._streams],
+                "epoch": max((s["epoch"] for s in done), default=0), "bad": self.bad_data(),
+                "samples_seen": self.samples_seen}
+
+    def _check(self, state: dict) -> None:
+        fixes = {"seed": "run with the seed of the saved run", "world_size": "launch as many ranks as the "
+                 "saved run", "rank": "load the state saved by this rank", "micro_batch_size": "keep "
+                 "batch.micro_batch_size", "streams": "keep data.num_workers (streams per rank)",
+                 "shards": "keep data.train_shards / data.train_weights and the shard sample counts (index JSON)", "policy": "keep data.policy",
+                 "epoch_batches": "keep data.epoch_batches", "version": "resume with the same rsclip_ds"}
+        saved = {k: state.get(k) for k in fixes}
+        saved["streams"] = len(state.get("streams") or [])
+        mine = self._identity()
+        diffs = [f"{k}: saved {saved[k]!r}, now {mine[k]!r} ({fixes[k]})" for k in fixes if saved[k] != mine[k]]
+        if diffs:
+            raise ValueError("cannot resume the data position: " + "; ".join(diffs) +
+                             ". Or start the data from scratch without the saved data state.")
+
+    # ---- bad data
+    def bad_data(self) -> dict[str, int]:
+        """Bad inputs skipped on this rank so far, by kind (every kind listed, zeros included)."""
+        return {k: sum(s["bad"].get(k, 0) for s in self._streams if s) for k in BAD_KINDS}
+
+    @property
+    def samples_seen(self) -> int:
+        """Samples this rank's streams took from their buffers (good and bad), as of the last batch."""
+        return sum(s["samples"] for s in self._streams if s)
+
+    def _on_batch(self, meta: dict) -> None:
+        before = self.bad_data()
+        for kind, where, detail in meta.pop("events"):
+            self.examples.setdefault(kind, f"{where} ({detail})")
+            log.warning("rank %d skipped bad data (%s) %s: %s", self.rank, kind, where, detail)
+        self._streams[meta.pop("stream")] = meta
+        self.batches += 1
+        after = self.bad_data()
+        for kind in BAD_KINDS:   # one line per power of ten, whatever the examples were
+            crossed = [p for p in (10 ** i for i in range(1, 12)) if before[kind] < p <= after[kind]]
+            if crossed:
+                log.warning("rank %d: %d %s so far (%d samples read)", self.rank, after[kind], kind,
+                            self.samples_seen)
+        self._check_fraction(after)
+
+    def _check_fraction(self, bad: dict[str, int]) -> None:
+        shards = sum(s["shards"] for s in self._streams if s)
+        check_bad_fraction(bad, self.samples_seen, shards, self.cfg.max_bad_fraction,
+                           self.cfg.bad_data_min_samples, f"rank {self.rank}", self.examples)
+
+    # ---- iteration
+    def __iter__(self) -> Iterator[dict]:
+        """Batches from the current position on (a second iter() continues, it does not restart)."""
+        dataset = StreamDataset(self.schedule, self.rank, self.prep, self.collate, self.cfg,
+                                starts=list(self._streams), offset=self.batches % self.streams)
+        # batch_size=None: batching happens in the stream (one tokenizer call per batch); the
+        # DataLoader takes batch i from worker i % workers, which the epoch schedule relies on.
+        loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
+                            persistent_workers=False, pin_memory=torch.cuda.is_available(),
+                            prefetch_factor=2 if self.num_workers else None,
+                            worker_init_fn=_ignore_sigterm if self.num_workers else None)
+        for batch in loader:
+            self._on_batch(batch.pop("_meta"))
+            yield batch
+
+
+def _ignore_sigterm(_worker_id: int) -> None:
+    """Workers outlive the first SIGTERM: the launcher and schedulers signal a rank's whole
+    process tree, and a worker dying of it made the rank raise instead of saving its
+    pre-emption checkpoint (docs/checkpoints.md). A second SIGTERM -- the DataLoader's or
+    multiprocessing's terminate() at shutdown -- ends the worker as usual."""
+    def first(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    signal.signal(signal.SIGTERM, first)
+
+
+def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, image_mean, image_std,
+                       max_text_length: int, micro_batch_size: int, rank: int, world_size: int,
+                       seed: int, return_keys: bool = False, state: dict | None = None) -> TrainLoader:
+    """Endless iterable of full micro-batches for ``rank`` (see the module docstring).
+
+    ``state``: a ``loader.state_dict()`` to resume from;
+    a state saved with another seed, world size, worker count, shard list or micro batch is a
+    ValueError that names the difference."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    schedule = build_epoch_schedule(cfg, micro_batch_size=micro_batch_size, world_size=world_size, seed=seed)
+    if schedule.policy == "exact" and cfg.num_workers > schedule.workers_of(rank):
+        log.warning("rank %d has %d shard(s) for data.num_workers=%d; using %d worker(s) so that "
+                    "none idles", rank, len(range(rank, len(schedule.urls), world_size)), cfg.num_workers,
+                    schedule.workers_of(rank))
+    prep = SampleDecoder(ImageTransform.from_config(image_size, cfg), _split_keys(cfg.image_key),
+                         _split_keys(cfg.caption_key))
+    collate = Collate(tokenizer, max_text_length, micro_batch_size, image_mean, image_std, return_keys)
+    return TrainLoader(schedule, rank, cfg, prep, collate, state=state)

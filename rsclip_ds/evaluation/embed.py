@@ -1,0 +1,110 @@
+"""Embedding evaluation sets through the model, split over ranks, and computing the metrics.
+
+Embedding runs in batches through the model's own ``forward()`` (the engine's under ZeRO-3,
+which gathers the partitioned parameters there; see ../shared/notes), with the items split over
+ranks and all-gathered, so every rank computes identical metrics. Images go through the
+training loader's transform with augmentation off (data/transforms.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from rich.progress import Progress
+
+from rsclip_ds.data.tokenizer import tokenize
+from rsclip_ds.data.transforms import ImageTransform, Normalize
+from rsclip_ds.evaluation.datasets import EvalSets
+from rsclip_ds.evaluation.metrics import retrieval_metrics, zero_shot_metrics
+from rsclip_ds.model import ModelBundle
+
+def eval_transform(bundle: ModelBundle) -> tuple[ImageTransform, Normalize]:
+    """The training loader's image transform with augmentation off, and its normalisation."""
+    return ImageTransform.from_config(bundle.image_size), Normalize(bundle.image_mean, bundle.image_std)
+
+
+@dataclass
+class Embedder:
+    """Runs `model(pixel_values, input_ids)` (an engine or a DualEncoder) in batches.
+
+    Items are split over ranks (rank r takes items r, r + W, ...). Every rank runs the same
+    number of forward calls, padding with a 1-item dummy when its share is used up: under ZeRO-3
+    each forward gathers parameters with collectives every rank must join."""
+    model: Callable
+    bundle: ModelBundle
+    batch_size: int
+    rank: int = 0
+    world_size: int = 1
+    dtype: torch.dtype = torch.float32
+    device: torch.device | str = "cpu"
+    progress: bool = True
+
+    def embed(self, image_paths: Sequence[Path], texts: Sequence[str], what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> image embeddings (N, D), text embeddings (M, D), float32, on every rank, in order."""
+        b, w, r = self.batch_size, self.world_size, self.rank
+        mine_img, mine_txt = list(image_paths)[r::w], list(texts)[r::w]
+        per_rank = (-(-len(image_paths) // w), -(-len(texts) // w))   # ceil: the largest share
+        steps = max(-(-per_rank[0] // b), -(-per_rank[1] // b))
+        b_ = self.bundle
+        transform, normalize = eval_transform(b_)
+        dummy_pixels = torch.zeros(1, 3, b_.image_size, b_.image_size)
+        dummy_ids = torch.full((1, 1), b_.tokenizer.pad_token_id or 0, dtype=torch.long)
+        images, txts = [], []
+        with torch.no_grad(), Progress(transient=True, disable=not (self.progress and r == 0)) as bar:
+            task = bar.add_task(f"eval {what}", total=steps)
+            for s in range(steps):
+                paths, caps = mine_img[s * b:(s + 1) * b], mine_txt[s * b:(s + 1) * b]
+                pixels = (torch.from_numpy(normalize(np.stack([transform(p) for p in paths])))
+                          if paths else dummy_pixels)                                     # (B, 3, H, W)
+                ids = tokenize(b_.tokenizer, caps, b_.max_text_length) if caps else dummy_ids  # (B, L)
+                image, text, _, _ = self.model(pixels.to(self.device, self.dtype), ids.to(self.device))
+                images.append(image[:len(paths)].float())
+                txts.append(text[:len(caps)].float())
+                bar.advance(task)
+        return (self._gather(torch.cat(images), len(image_paths), per_rank[0]),
+                self._gather(torch.cat(txts), len(texts), per_rank[1]))
+
+    def _gather(self, mine: torch.Tensor, total: int, per_rank: int) -> torch.Tensor:
+        """This rank's rows (items r, r + W, ...) -> all rows in item order, on every rank."""
+        if self.world_size == 1:
+            return mine.cpu()
+        dim = mine.shape[1]
+        padded = torch.zeros(per_rank, dim, device=mine.device)
+        padded[:len(mine)] = mine
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded)
+        return interleave_ranks(parts, total).cpu()
+
+
+def interleave_ranks(parts: list[torch.Tensor], total: int) -> torch.Tensor:
+    """Rank r's rows (items r, r + W, ..., zero-padded to P rows) -> (total, D) in item order."""
+    # (W, P, D) -> (P, W, D): row p of rank r is item p * W + r
+    return torch.stack(parts).transpose(0, 1).reshape(-1, parts[0].shape[1])[:total]
+
+
+def class_embeddings(text_emb: torch.Tensor, num_classes: int, num_templates: int) -> torch.Tensor:
+    """(C * T, D) prompt embeddings, class-major -> (C, D): normalised mean over templates."""
+    per_class = text_emb.view(num_classes, num_templates, -1).mean(dim=1)
+    return torch.nn.functional.normalize(per_class, dim=-1)
+
+
+def evaluate(embedder: Embedder, sets: EvalSets) -> dict:
+    """-> {"zero_shot": zero_shot_metrics(...), "retrieval": retrieval_metrics(...)} (present ones)."""
+    results: dict = {}
+    if sets.zero_shot is not None:
+        zs, templates = sets.zero_shot, sets.templates
+        prompts = [t.format(name) for name in zs.class_names for t in templates]   # class-major
+        image_emb, text_emb = embedder.embed(zs.paths, prompts, "zero-shot")
+        classes = class_embeddings(text_emb, len(zs.class_names), len(templates))
+        results["zero_shot"] = zero_shot_metrics(image_emb, classes, torch.tensor(zs.labels), zs.class_names)
+    if sets.retrieval is not None:
+        rs = sets.retrieval
+        image_emb, text_emb = embedder.embed(rs.image_paths, rs.captions, "retrieval")
+        results["retrieval"] = retrieval_metrics(image_emb, text_emb, torch.tensor(rs.text_image_index))
+    return results
+

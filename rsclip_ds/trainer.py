@@ -1,0 +1,199 @@
+"""The composition root: the one place a training run is assembled from a `RunConfig`.
+
+    with Trainer(run) as trainer:          # process group, SIGTERM flag, heartbeat, logging
+        summary = trainer.train()          # model, engine, checkpointer, loader, loss -> train()
+
+The order of assembly is stated once, in `Trainer.build`: profile and DeepSpeed config (checked
+before any process group) -> model (+ activation checkpointing) -> evaluation hook (reads its
+data sets before training) -> engine -> checkpointer (+ resume) -> loader (at the resumed
+position) -> loss -> fault guard. The CLI, the evaluation worker, the benchmarks and the tests
+all build runs here; a benchmark swaps a part through the seams (`model=`, `wrap_loader=`,
+`hooks=`), never by patching the package.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from rsclip_ds.checkpoint import Checkpointer, checkpoint_root, write_hf_extras
+from rsclip_ds.config import ConfigError, RunConfig
+from rsclip_ds.data import build_train_loader, expand_urls
+from rsclip_ds.distributed import (DistInfo, Heartbeat, StopFlag, accelerator_is_gpu, configure_logging,
+                                   destroy_distributed, init_distributed, process_group_exists,
+                                   world_size_from_env)
+from rsclip_ds.engine import build_engine
+from rsclip_ds.evaluation.hook import build_eval_hook
+from rsclip_ds.losses import build_loss
+from rsclip_ds.model import ModelBundle, apply_activation_checkpointing, build_model
+from rsclip_ds.profiles import (BatchSizes, Profile, activation_checkpointing_enabled, build_ds_config,
+                                derive_batch, load_profile)
+from rsclip_ds.reporting.curves import plot_curves
+from rsclip_ds.reporting.progress import ProgressReporter
+from rsclip_ds.reporting.summary import build_summary, print_summary, write_summary
+from rsclip_ds.train import Guard, Preempted, TrainResult, train
+
+log = logging.getLogger("rsclip_ds")
+Hook = Callable[[int, Any], "dict | None"]
+
+
+def check_run(run: RunConfig) -> tuple[Profile, dict]:
+    """Everything that can fail without a process group: profile, DeepSpeed config, shards.
+    Raises ConfigError naming the fix."""
+    profile = load_profile(run.profile)
+    ds_config = build_ds_config(run, profile, world_size_from_env(), on_gpu=accelerator_is_gpu())
+    if not run.data.train_shards:
+        raise ConfigError("data.train_shards is not set: point it at webdataset shards, e.g. "
+                          "--set data.train_shards='data/synthetic/train-{000000..000007}.tar' "
+                          "(make some with `rsclip-ds make-synthetic --out data/synthetic`)")
+    try:
+        expand_urls(run.data.train_shards)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return profile, ds_config
+
+
+@dataclass
+class Parts:
+    """What `Trainer.build` made; `train()` runs them, tests and benchmarks may inspect them."""
+    batch: BatchSizes
+    bundle: ModelBundle
+    activation_checkpointing: bool
+    engine: Any
+    checkpointer: Checkpointer
+    loader: Any                 # TrainLoader, or what `wrap_loader` made of it
+    loss_fn: Callable
+    guard: Guard
+    hooks: list[Hook]
+    resume: dict | None         # this rank's saved client state
+
+
+class Trainer:
+    """One training run. A context manager: entering starts the process group (unless one
+    exists: then it is left to its owner), the SIGTERM flag and the heartbeat; leaving stops
+    them. Seams: ``model`` a ready ModelBundle instead of `build_model(run.model)`;
+    ``wrap_loader(loader)`` wraps the training loader (it must keep `state_dict`/`bad_data`
+    or pass them through); ``hooks(step, engine)`` run after every optimizer step."""
+
+    def __init__(self, run: RunConfig, *, hooks: Sequence[Hook] = (), model: ModelBundle | None = None,
+                 wrap_loader: Callable[[Any], Any] | None = None):
+        self.run, self.extra_hooks, self.model, self.wrap_loader = run, list(hooks), model, wrap_loader
+        self.profile, self.ds_config = check_run(run)
+        self.info: DistInfo | None = None
+        self.parts: Parts | None = None
+        self._owns_group = False
+
+    # ---- process group and faults
+    def __enter__(self) -> "Trainer":
+        self.stop = StopFlag().install()
+        self._owns_group = not process_group_exists()
+        self.info = init_distributed()
+        f = self.run.faults
+        self.heartbeat = Heartbeat(self.info.rank, self.info.world_size, interval=f.heartbeat_s,
+                                   timeout=f.peer_timeout_s, stopping=self.stop).start()
+        configure_logging(self.info.rank)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.heartbeat.close()
+        if self._owns_group:
+            destroy_distributed()
+
+    # ---- assembly
+    def build(self) -> Parts:
+        """Builds every part in the order the module docstring states (once)."""
+        if self.parts is not None:
+            return self.parts
+        run, info = self.run, self.info
+        batch = derive_batch(run, info.world_size)
+        bundle = self.model or build_model(run.model, run.seed, loss=run.loss.name)
+        ac = activation_checkpointing_enabled(run, self.profile)
+        if ac:
+            apply_activation_checkpointing(bundle.model)
+        if info.rank == 0:
+            self._write_run_files()
+            log.info("profile %s | precision %s | batch micro x accumulation x world = global: %s | "
+                     "%.2fM parameters", self.profile.name, run.precision, batch, bundle.num_parameters() / 1e6)
+        eval_hook = build_eval_hook(run, bundle, info.rank, info.world_size)  # reads the eval sets now
+        hooks = self.extra_hooks + ([eval_hook] if eval_hook else [])
+        engine = build_engine(bundle.model, self.ds_config)
+        checkpointer = self._checkpointer(bundle)
+        resume = checkpointer.load(engine, run.checkpoint.resume) if run.checkpoint.resume else None
+        loader = build_train_loader(
+            run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
+            image_mean=bundle.image_mean, image_std=bundle.image_std,
+            max_text_length=bundle.max_text_length, micro_batch_size=batch.micro,
+            rank=info.rank, world_size=info.world_size, seed=run.seed,
+            state=resume["data"] if resume else None)
+        if self.wrap_loader is not None:
+            loader = self.wrap_loader(loader)
+        loss_fn = build_loss(run.loss.name, negatives=run.loss.negatives, rank=info.rank,
+                             world_size=info.world_size, chunk_size=run.loss.chunk_size)
+        self.parts = Parts(batch, bundle, ac, engine, checkpointer, loader, loss_fn, self._guard(), hooks, resume)
+        return self.parts
+
+    def _checkpointer(self, bundle: ModelBundle) -> Checkpointer:
+        run = self.run
+        extras = partial(write_hf_extras, model_config=bundle.model.config, tokenizer=bundle.tokenizer,
+                         image_size=bundle.image_size, mean=bundle.image_mean, std=bundle.image_std)
+        return Checkpointer(run.checkpoint, checkpoint_root(run.output_dir), rank=self.info.rank,
+                            world_size=self.info.world_size, run_config=run.model_dump(mode="json"),
+                            write_extras=extras, kill_in_save_at=run.faults.inject_kill_in_save_at_step)
+
+    def _guard(self) -> Guard:
+        f = self.run.faults
+        return Guard(stop_requested=self.stop, stop_check_every=f.stop_check_every,
+                     max_nonfinite_steps=f.max_nonfinite_steps, check_nonfinite=self.run.precision != "fp16",
+                     inject_nan_at_step=f.inject_nan_at_step, inject_kill_at_step=f.inject_kill_at_step,
+                     inject_freeze_at_step=f.inject_freeze_at_step)
+
+    def _write_run_files(self) -> None:
+        out = Path(self.run.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(self.run.model_dump_json(indent=2))
+        (out / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2))
+
+    # ---- running
+    def train(self) -> dict | None:
+        """Train; returns the summary on rank 0 (None elsewhere). Raises train.Preempted after a
+        SIGTERM (checkpoint saved) and train.NonFiniteLoss; the CLI turns them into exit codes."""
+        p, run, rank = self.build(), self.run, self.info.rank
+        torch.manual_seed(run.seed + 1000 * rank)   # dropout / augmentation differ per rank
+        reporter = ProgressReporter(run.steps, run.logging.progress, enabled=rank == 0)
+        try:
+            result = train(p.engine, iter(p.loader), p.loss_fn, p.batch, run.steps, run.logging.log_every,
+                           reporter, accumulation=run.batch.accumulation, hooks=p.hooks,
+                           checkpointer=p.checkpointer, guard=p.guard, loader=p.loader,
+                           resume=p.resume, stop_after=run.checkpoint.stop_after)
+        finally:
+            reporter.close()
+        summary = self._finish(result) if rank == 0 else None
+        if result.stopped:
+            raise Preempted(f"stopped by SIGTERM after step {len(result.losses)}; checkpoint "
+                            f"{result.checkpoints[-1] if result.checkpoints else '(none)'} saved; continue "
+                            f"with `rsclip-ds train ... --resume latest`")
+        return summary
+
+    def _finish(self, result: TrainResult) -> dict:
+        """Rank 0 writes and prints the summary and draws the curves."""
+        run, p = self.run, self.parts
+        summary = build_summary(result, profile=self.profile, batch=p.batch, precision=run.precision,
+                                preset=run.model.preset, num_parameters=p.bundle.num_parameters(),
+                                activation_checkpointing=p.activation_checkpointing, loss=run.loss.name,
+                                negatives=run.loss.negatives, accumulation=run.batch.accumulation)
+        write_summary(summary, run.output_dir)
+        print_summary(summary)
+        plot_curves(summary, Path(run.output_dir) / "curves.png")   # skipped (one log line) without matplotlib
+        return summary
+
+
+def run_training(run: RunConfig, hooks: Sequence[Hook] = ()) -> dict | None:
+    """Build and train one run: the whole of `rsclip-ds train` after argument parsing."""
+    with Trainer(run, hooks=hooks) as trainer:
+        return trainer.train()
