@@ -9,7 +9,8 @@ Peak GPU bytes of a rank are the larger of two phases (activations are freed bef
 Model states, Ψ parameters, G = gpus in all, n = gpus per node; bytes per parameter are
 p (weights) g (gradients) k (optimizer: fp32 master + Adam m, v): mixed precision 2 + 2 + 12,
 fp32 4 + 4 + 12 (DeepSpeed keeps an fp32 master partition in fp32 too). Per GPU
-(`../shared/notes/deepspeed.md`, corrected by what benchmarks/memory.py measures in 0.19.8):
+(DeepSpeed's `estimate_zero{2,3}_model_states_mem_needs`, corrected by what benchmarks/memory.py
+measures in 0.19.8):
     ZeRO-1 = ZeRO-2  pΨ + (g+k)Ψ/G (0.19.8's ZeRO-1 keeps only its gradient partition as well)
     ZeRO-3  (p+g+k)Ψ/G
     ZeRO-2 + optimizer offload  pΨ        ZeRO-3 + optimizer offload  pΨ/G     + param offload  0

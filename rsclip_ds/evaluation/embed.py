@@ -1,7 +1,7 @@
 """Embedding evaluation sets through the model, split over ranks, and computing the metrics.
 
 Embedding runs in batches through the model's own ``forward()`` (the engine's under ZeRO-3,
-which gathers the partitioned parameters there; see ../shared/notes), with the items split over
+which gathers partitioned parameters only inside a module's forward), with the items split over
 ranks and all-gathered, so every rank computes identical metrics. Images go through the
 training loader's transform with augmentation off (data/transforms.py).
 """

@@ -37,7 +37,7 @@ def plot_curves(summary_or_result: Any, out_png: str | Path) -> Path | None:
     try:
         import matplotlib
     except ImportError:
-        log.info("matplotlib is not installed: training curves skipped (pip install 'rsclip_ds[bench]')")
+        log.info("matplotlib is not installed: training curves skipped (pip install 'rsclip_ds[plots]')")
         return None
     matplotlib.use("Agg")   # no display on cluster nodes
     import matplotlib.pyplot as plt
