@@ -17,7 +17,7 @@ from webdataset import TarWriter
 from rsclip_ds.config import DataConfig
 from rsclip_ds.data import (BAD_KINDS, DataError, ImageTransform, SampleDecoder, StreamCounter, build_epoch_schedule,
                             build_train_loader, read_shard)
-from tests.unit.test_data_resume import deadline
+from tests.helpers import deadline
 
 B = 2
 

@@ -17,7 +17,7 @@ from webdataset import TarWriter
 
 from rsclip_ds.config import DataConfig
 from rsclip_ds.data import ImageTransform, SampleDecoder, build_epoch_schedule, build_train_loader, shard_counts
-from tests.unit.test_data_resume import deadline, write_shards
+from tests.helpers import deadline, write_shards
 
 
 def _loader(spec, tok, **data):

@@ -3,50 +3,18 @@ ranks x workers (5 uneven shards, 2 ranks, 2 workers each), ranks simulated in-p
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
-import signal
-from contextlib import contextmanager
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
-from webdataset import TarWriter
 
 from rsclip_ds.config import DataConfig
 from rsclip_ds.data import build_epoch_schedule, build_train_loader
+from tests.helpers import deadline, write_shards
 
 B, WORLD = 2, 2
 COUNTS = [7, 9, 8, 6, 10]   # 40 samples in 5 shards: 4 streams cannot be equal
-
-
-def write_shards(root, counts, size=16, prefix="s"):
-    """Shards of `counts` samples of random-noise JPEGs with two captions each -> brace pattern."""
-    rng = np.random.default_rng(0)
-    for s, n in enumerate(counts):
-        with TarWriter(str(root / f"{prefix}-{s:02d}.tar"), encoder=False, mtime=0) as sink:
-            for i in range(n):
-                buf = io.BytesIO()
-                Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, "JPEG")
-                sink.write({"__key__": f"{prefix}{s}_{i:03d}", "jpg": buf.getvalue(),
-                            "txt": f"shard {s} sample {i}\nanother caption {i}".encode()})
-    return str(root / f"{prefix}-{{00..{len(counts) - 1:02d}}}.tar")
-
-
-@contextmanager
-def deadline(seconds):
-    """A hang fails the test instead of blocking CI."""
-    def _raise(*_):
-        raise TimeoutError(f"loader did not deliver within {seconds} s (hang)")
-    old = signal.signal(signal.SIGALRM, _raise)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,52 @@
+"""Helpers shared by test files: import them from here (`from tests.helpers import ...`), never
+from another test file. Fixtures live in the conftest.py files."""
+
+from __future__ import annotations
+
+import io
+import signal
+import time
+from contextlib import contextmanager
+from typing import Callable
+
+import numpy as np
+from PIL import Image
+from webdataset import TarWriter
+
+
+def write_shards(root, counts, size=16, prefix="s"):
+    """Shards of `counts` samples of random-noise JPEGs with two captions each -> brace pattern."""
+    rng = np.random.default_rng(0)
+    for s, n in enumerate(counts):
+        with TarWriter(str(root / f"{prefix}-{s:02d}.tar"), encoder=False, mtime=0) as sink:
+            for i in range(n):
+                buf = io.BytesIO()
+                Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, "JPEG")
+                sink.write({"__key__": f"{prefix}{s}_{i:03d}", "jpg": buf.getvalue(),
+                            "txt": f"shard {s} sample {i}\nanother caption {i}".encode()})
+    return str(root / f"{prefix}-{{00..{len(counts) - 1:02d}}}.tar")
+
+
+@contextmanager
+def deadline(seconds):
+    """A hang fails the test instead of blocking CI."""
+    def _raise(*_):
+        raise TimeoutError(f"loader did not deliver within {seconds} s (hang)")
+    old = signal.signal(signal.SIGALRM, _raise)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0, poll: float = 0.01) -> None:
+    """Return as soon as condition() is true; fail naming `what` after `timeout` seconds.
+
+    The poll interval only bounds how late we notice; it is never what makes a test pass."""
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll)
