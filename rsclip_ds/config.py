@@ -27,15 +27,27 @@ class ModelConfig(_Strict):
     preset: Literal["tiny", "git-rsclip-base", "git-rsclip-large"] = Field(
         "tiny", description="Architecture preset: 'git-rsclip-large' (SigLIP-L/16, 256 px, ~650M), "
         "'git-rsclip-base' (SigLIP-B/16, 224 px, ~200M), 'tiny' (trains in seconds on a CPU).")
-    pretrained: Optional[Path] = Field(
-        None, description="Local Hugging Face folder (model, tokenizer, image processor) to start "
-        "from; the preset is then ignored for the architecture.")
+    pretrained: Optional[str] = Field(
+        None, description="Start from a Hugging Face SigLIP model (weights, tokenizer, image "
+        "processor): a local folder, or a hub id such as 'lcybuaa/Git-RSCLIP' (fetched once per node "
+        "into the Hugging Face cache; HF_HUB_OFFLINE=1 reads the cache only). The preset is then "
+        "ignored for the architecture.")
+    revision: Optional[str] = Field(
+        None, description="Hub revision (branch, tag or commit) of a `pretrained` hub id; default: "
+        "the main branch. Pin a commit for reproducible runs.")
     tokenizer: Optional[Path] = Field(
         None, description="Tokenizer folder (from `rsclip-ds train-tokenizer`); defaults to the "
-        "`pretrained` folder. Required for from-scratch runs.")
+        "`pretrained` model's tokenizer. Required for from-scratch runs.")
     activation_checkpointing: Optional[bool] = Field(
         None, description="Recompute tower activations in backward to save memory. null: as the "
         "profile's `rsclip.activation_checkpointing` says.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        if self.revision is not None and self.pretrained is None:
+            raise ValueError("model.revision is set without model.pretrained: name the hub id too, "
+                             "e.g. --set model.pretrained=lcybuaa/Git-RSCLIP")
+        return self
 
 
 class LossConfig(_Strict):
@@ -87,6 +99,10 @@ class DataConfig(_Strict):
     vflip: bool = Field(False, description="Augmentation: random top-bottom flip (same caveat as hflip).")
     rot90: bool = Field(False, description="Augmentation: random rotation by 0/90/180/270 degrees (overhead "
                         "imagery has no up; same caveat for captions with positions).")
+    jpeg_draft: bool = Field(True, description="Decode JPEGs at least twice the needed size at a reduced "
+                             "DCT scale (PIL draft): ~2x faster decoding; pixels differ slightly from a full "
+                             "decode (evaluation always decodes fully, as transformers does). false: training "
+                             "pixels equal evaluation's.")
     max_bad_fraction: float = Field(
         0.05, ge=0, le=1, description="Stop with an error when more than this fraction of the samples (or of "
         "the shards) a rank has read were unreadable. 1 never stops.")

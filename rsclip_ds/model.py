@@ -10,6 +10,7 @@ the reason we do not use CLIPModel for the 'clip' loss.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rsclip_ds.config import ConfigError, ModelConfig
+from rsclip_ds.hub import ModelSource, resolve_source
 
 # Shapes follow the published checkpoints: Git-RSCLIP = SigLIP-L/16 at 256 px,
 # Git-RSCLIP-base = SigLIP-B/16 at 224 px; both use 64 text tokens and image mean/std 0.5.
@@ -76,9 +78,10 @@ class ModelBundle:
     image_mean: tuple[float, float, float]
     image_std: tuple[float, float, float]
     max_text_length: int
+    source: ModelSource | None = None   # where the weights came from (preset, folder, hub id)
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        return sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())   # ZeRO-3: whole size
 
 
 def preset_config(preset: str, tokenizer=None):
@@ -95,70 +98,120 @@ def preset_config(preset: str, tokenizer=None):
 
 
 def load_tokenizer(path: Path):
+    """A tokenizer folder: ours (tokenizer.json) or a SigLIP SentencePiece one (spiece.model)."""
     from transformers import AutoTokenizer
 
     if not Path(path).is_dir():
         raise ConfigError(f"tokenizer folder not found: {path} (train one with "
                           f"`rsclip-ds train-tokenizer --shards ... --out {path}`)")
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except ImportError as err:   # SiglipTokenizer without sentencepiece / protobuf
+        missing = [m for m in ("sentencepiece", "protobuf") if m.lower() in str(err).lower()] or \
+            ["sentencepiece", "protobuf"]
+        raise ConfigError(f"the tokenizer in {path} needs {' and '.join(missing)}: "
+                          f"pip install {' '.join(missing)} (rsclip_ds installs both; this environment "
+                          f"lacks them). Original error: {err}") from None
 
 
-def _init_logits(model: DualEncoder, loss: str) -> None:
+def _set_logits(model: DualEncoder, loss: str) -> None:
+    """The loss's initial temperature and bias; under ZeRO-3 on rank 0's gathered copy."""
     scale, bias = LOGIT_INIT[loss]
-    with torch.no_grad():
+    params = [model.logit_scale, model.logit_bias]
+    with maybe_gathered(params, modifier_rank=0), torch.no_grad():
         model.logit_scale.fill_(scale)
         model.logit_bias.fill_(bias)
 
 
-def build_model(cfg: ModelConfig, seed: int, loss: str = "siglip") -> ModelBundle:
-    """From a preset (random init, seeded) or from a local Hugging Face folder; `loss` picks the
-    logit scale/bias initialisation (and freezes the bias for 'clip')."""
+def maybe_gathered(params, modifier_rank: int | None = None):
+    """deepspeed.zero.GatheredParameters for ZeRO-3 partitioned parameters, else nothing."""
+    import contextlib
+
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
+
+
+@contextmanager
+def maybe_zero3_init(ds_config: dict | None):
+    """Under ZeRO-3, models built inside are partitioned as they are built: transformers'
+    DeepSpeed integration runs `from_pretrained` and `_from_config` inside
+    `deepspeed.zero.Init`, so each rank holds only its 1/W of the parameters (and rank 0 alone
+    reads the checkpoint), instead of every rank building the full fp32 model first (4 bytes per
+    parameter per rank). Yields whether it is active."""
+    if not ds_config or ds_config.get("zero_optimization", {}).get("stage") != 3:
+        yield False
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    keep_alive = HfDeepSpeedConfig(ds_config)   # transformers holds only a weak reference
+    try:
+        yield True
+    finally:
+        del keep_alive
+        unset_hf_deepspeed_config()
+
+
+def build_model(cfg: ModelConfig, seed: int, loss: str = "siglip", *, source: ModelSource | None = None,
+                ds_config: dict | None = None) -> ModelBundle:
+    """From a preset (random init, seeded) or a pretrained folder / hub id; `loss` picks the
+    logit scale/bias initialisation (and freezes the bias for 'clip'). ``source``: the
+    already-resolved pretrained source (the Trainer fetches hub ids once per node);
+    ``ds_config``: under ZeRO-3 the model is built partitioned (maybe_zero3_init)."""
     if cfg.pretrained is not None:
-        return _load_pretrained(cfg, loss)
+        return _load_pretrained(cfg, loss, source or resolve_source(cfg), ds_config)
     if cfg.tokenizer is None:
         raise ConfigError("model.tokenizer is required for a from-scratch run: train one with "
                           "`rsclip-ds train-tokenizer --shards DATA --out TOKDIR` and pass "
                           "--set model.tokenizer=TOKDIR (or set model.pretrained)")
     tokenizer = load_tokenizer(cfg.tokenizer)
-    model = new_dual_encoder(preset_config(cfg.preset, tokenizer), loss, seed)
-    return _bundle(model, tokenizer, loss, IMAGE_MEAN, IMAGE_STD)
+    model = new_dual_encoder(preset_config(cfg.preset, tokenizer), loss, seed, ds_config=ds_config)
+    return _bundle(model, tokenizer, loss, IMAGE_MEAN, IMAGE_STD, ModelSource("preset", cfg.preset))
 
 
-def new_dual_encoder(config, loss: str = "siglip", seed: int = 0) -> DualEncoder:
-    """A randomly initialised (seeded) DualEncoder from a SiglipConfig."""
+def new_dual_encoder(config, loss: str = "siglip", seed: int = 0, *, ds_config: dict | None = None) -> DualEncoder:
+    """A randomly initialised (seeded) DualEncoder from a SiglipConfig (partitioned under a
+    ZeRO-3 ``ds_config``)."""
     from transformers import SiglipModel
 
     torch.manual_seed(seed)
-    model = DualEncoder(SiglipModel(config))
-    _init_logits(model, loss)
+    with maybe_zero3_init(ds_config) as zero3:
+        siglip = SiglipModel._from_config(config) if zero3 else SiglipModel(config)
+    model = DualEncoder(siglip)
+    _set_logits(model, loss)
     if loss == "clip":
         model.logit_bias.requires_grad_(False)
     return model
 
 
-def _load_pretrained(cfg: ModelConfig, loss: str) -> ModelBundle:
+def _load_pretrained(cfg: ModelConfig, loss: str, source: ModelSource, ds_config: dict | None) -> ModelBundle:
     from transformers import SiglipImageProcessorPil, SiglipModel
 
-    folder = Path(cfg.pretrained)
-    if not (folder / "config.json").is_file():
-        raise ConfigError(f"model.pretrained={folder} is not a Hugging Face model folder "
-                          f"(no config.json); export one with `rsclip-ds export`")
-    model = DualEncoder(SiglipModel.from_pretrained(str(folder)))
+    folder = Path(source.folder)
+    # fp32 whatever the file holds (Git-RSCLIP ships 16-bit weights; transformers 5 would keep
+    # them 16-bit): the engine makes its 16-bit copies itself, the optimizer needs fp32 masters.
+    with maybe_zero3_init(ds_config):
+        siglip = SiglipModel.from_pretrained(str(folder), dtype=torch.float32)
+    model = DualEncoder(siglip)
     tokenizer = load_tokenizer(cfg.tokenizer or folder)
     mean, std = IMAGE_MEAN, IMAGE_STD
     if (folder / "preprocessor_config.json").is_file():
         proc = SiglipImageProcessorPil.from_pretrained(str(folder))
         mean, std = tuple(proc.image_mean), tuple(proc.image_std)
     if loss == "clip":
-        _init_logits(model, "clip")   # a SigLIP checkpoint's scale/bias mean nothing to softmax
-    return _bundle(model, tokenizer, loss, mean, std)
+        _set_logits(model, "clip")   # a SigLIP checkpoint's scale/bias mean nothing to softmax
+    return _bundle(model, tokenizer, loss, mean, std, source)
 
 
-def _bundle(model: DualEncoder, tokenizer, loss: str, mean, std) -> ModelBundle:
+def _bundle(model: DualEncoder, tokenizer, loss: str, mean, std, source: ModelSource) -> ModelBundle:
     if loss == "clip":
         model.logit_bias.requires_grad_(False)   # softmax is shift-invariant: no gradient
     vc, tc = model.config.vision_config, model.config.text_config
-    return ModelBundle(model, tokenizer, vc.image_size, tuple(mean), tuple(std), tc.max_position_embeddings)
+    return ModelBundle(model, tokenizer, vc.image_size, tuple(mean), tuple(std), tc.max_position_embeddings,
+                       source)
 
 
 def apply_activation_checkpointing(model: DualEncoder) -> None:

@@ -30,6 +30,7 @@ from rsclip_ds.distributed import (DistInfo, Heartbeat, StopFlag, accelerator_is
                                    world_size_from_env)
 from rsclip_ds.engine import build_engine
 from rsclip_ds.evaluation.hook import build_eval_hook
+from rsclip_ds.hub import check_source, resolve_source_per_node
 from rsclip_ds.losses import build_loss
 from rsclip_ds.model import ModelBundle, apply_activation_checkpointing, build_model
 from rsclip_ds.profiles import (BatchSizes, Profile, activation_checkpointing_enabled, build_ds_config,
@@ -48,6 +49,7 @@ def check_run(run: RunConfig) -> tuple[Profile, dict]:
     Raises ConfigError naming the fix."""
     profile = load_profile(run.profile)
     ds_config = build_ds_config(run, profile, world_size_from_env(), on_gpu=accelerator_is_gpu())
+    check_source(run.model)
     if not run.data.train_shards:
         raise ConfigError("data.train_shards is not set: point it at webdataset shards, e.g. "
                           "--set data.train_shards='data/synthetic/train-{000000..000007}.tar' "
@@ -112,14 +114,16 @@ class Trainer:
             return self.parts
         run, info = self.run, self.info
         batch = derive_batch(run, info.world_size)
-        bundle = self.model or build_model(run.model, run.seed, loss=run.loss.name)
+        bundle = self.model or build_model(run.model, run.seed, loss=run.loss.name, ds_config=self.ds_config,
+                                           source=resolve_source_per_node(run.model, info.local_rank))
         ac = activation_checkpointing_enabled(run, self.profile)
         if ac:
             apply_activation_checkpointing(bundle.model)
         if info.rank == 0:
             self._write_run_files()
-            log.info("profile %s | precision %s | batch micro x accumulation x world = global: %s | "
-                     "%.2fM parameters", self.profile.name, run.precision, batch, bundle.num_parameters() / 1e6)
+            log.info("model %s | profile %s | precision %s | batch micro x accumulation x world = global: %s | "
+                     "%.2fM parameters", bundle.source, self.profile.name, run.precision, batch,
+                     bundle.num_parameters() / 1e6)
         eval_hook = build_eval_hook(run, bundle, info.rank, info.world_size)  # reads the eval sets now
         hooks = self.extra_hooks + ([eval_hook] if eval_hook else [])
         engine = build_engine(bundle.model, self.ds_config)
@@ -184,7 +188,7 @@ class Trainer:
         """Rank 0 writes and prints the summary and draws the curves."""
         run, p = self.run, self.parts
         summary = build_summary(result, profile=self.profile, batch=p.batch, precision=run.precision,
-                                preset=run.model.preset, num_parameters=p.bundle.num_parameters(),
+                                source=p.bundle.source, num_parameters=p.bundle.num_parameters(),
                                 activation_checkpointing=p.activation_checkpointing, loss=run.loss.name,
                                 negatives=run.loss.negatives, accumulation=run.batch.accumulation)
         write_summary(summary, run.output_dir)

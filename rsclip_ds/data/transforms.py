@@ -1,10 +1,15 @@
 """One image transform for training and evaluation, and the sample decoder of the stream.
 
 ``ImageTransform`` turns encoded image bytes (or an image file) into uint8 pixels (S, S, 3):
-JPEG draft decode, optional augmentation (random resized crop, flips, 90 degree rotations), a
-bicubic squash to S x S. With augmentation off it is the evaluation path: the same image gives
-the same pixels in the training loader and in `rsclip-ds eval` (tests/unit/test_transforms.py).
-``Normalize`` maps uint8 batches to the model's normalised float32, for both as well.
+decode, optional augmentation (random resized crop, flips, 90 degree rotations), a bicubic
+squash to S x S -- what `SiglipImageProcessor` does (resize to S x S, bicubic, in PIL), so a
+published SigLIP checkpoint sees the pixels it was trained on. Evaluation is this transform with
+augmentation off. Training also decodes large JPEGs at a reduced DCT scale (``draft``: ~2x faster
+decoding, taken only when the image is at least twice the size needed); that changes pixels
+slightly against a full decode (docs/data.md gives the measured size), and
+``data.jpeg_draft=false`` turns it off, making training pixels bit-identical to evaluation's
+(tests/unit/test_transforms.py). ``Normalize`` maps uint8 batches to the model's normalised
+float32, for both.
 """
 
 from __future__ import annotations
@@ -31,21 +36,24 @@ class ImageTransform:
     hflip: bool = False
     vflip: bool = False
     rot90: bool = False
+    draft: bool = False                          # JPEG: decode at 1/2^k scale when large enough
 
     @classmethod
     def from_config(cls, size: int, cfg: DataConfig | None = None) -> "ImageTransform":
-        """Training's transform from the data config; ``cfg=None`` is the evaluation transform."""
+        """Training's transform from the data config; ``cfg=None`` is the evaluation transform
+        (no augmentation, full decode: as transformers' SigLIP image processor)."""
         if cfg is None:
             return cls(size)
-        return cls(size, crop=cfg.random_resized_crop, hflip=cfg.hflip, vflip=cfg.vflip, rot90=cfg.rot90)
+        return cls(size, crop=cfg.random_resized_crop, hflip=cfg.hflip, vflip=cfg.vflip, rot90=cfg.rot90,
+                   draft=cfg.jpeg_draft)
 
     def __call__(self, source: bytes | str | Path, rng: random.Random | None = None) -> np.ndarray:
         rng = rng or random.Random(0)
         data = source if isinstance(source, bytes) else Path(source).read_bytes()
         img = Image.open(io.BytesIO(data))
-        # JPEG: decode at the smallest 1/2^k scale still >= what the crop needs (~2x faster)
-        need = self.size if self.crop is None else int(np.ceil(self.size / np.sqrt(self.crop[0])))
-        img.draft("RGB", (need, need))
+        if self.draft:   # JPEG: decode at the smallest 1/2^k scale still >= what the crop needs
+            need = self.size if self.crop is None else int(np.ceil(self.size / np.sqrt(self.crop[0])))
+            img.draft("RGB", (need, need))
         img.load()                 # decodes: a corrupt file raises here
         if img.mode != "RGB":      # (JPEG drafts decode straight to RGB: no copy then)
             img = img.convert("RGB")

@@ -43,6 +43,8 @@ class Embedder:
     dtype: torch.dtype = torch.float32
     device: torch.device | str = "cpu"
     progress: bool = True
+    logit_scale: torch.Tensor | None = None   # set by embed(): the model's log temperature
+    logit_bias: torch.Tensor | None = None
 
     def embed(self, image_paths: Sequence[Path], texts: Sequence[str], what: str) -> tuple[torch.Tensor, torch.Tensor]:
         """-> image embeddings (N, D), text embeddings (M, D), float32, on every rank, in order."""
@@ -54,7 +56,7 @@ class Embedder:
         transform, normalize = eval_transform(b_)
         dummy_pixels = torch.zeros(1, 3, b_.image_size, b_.image_size)
         dummy_ids = torch.full((1, 1), b_.tokenizer.pad_token_id or 0, dtype=torch.long)
-        images, txts = [], []
+        images, txts, scale, bias = [], [], None, None
         with torch.no_grad(), Progress(transient=True, disable=not (self.progress and r == 0)) as bar:
             task = bar.add_task(f"eval {what}", total=steps)
             for s in range(steps):
@@ -62,10 +64,12 @@ class Embedder:
                 pixels = (torch.from_numpy(normalize(np.stack([transform(p) for p in paths])))
                           if paths else dummy_pixels)                                     # (B, 3, H, W)
                 ids = tokenize(b_.tokenizer, caps, b_.max_text_length) if caps else dummy_ids  # (B, L)
-                image, text, _, _ = self.model(pixels.to(self.device, self.dtype), ids.to(self.device))
+                image, text, scale, bias = self.model(pixels.to(self.device, self.dtype), ids.to(self.device))
                 images.append(image[:len(paths)].float())
                 txts.append(text[:len(caps)].float())
                 bar.advance(task)
+        if scale is not None:   # the model's temperature and bias, for probabilities
+            self.logit_scale, self.logit_bias = scale.detach().float().cpu(), bias.detach().float().cpu()
         return (self._gather(torch.cat(images), len(image_paths), per_rank[0]),
                 self._gather(torch.cat(txts), len(texts), per_rank[1]))
 

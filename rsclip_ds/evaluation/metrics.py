@@ -81,3 +81,12 @@ def flat_metrics(results: dict) -> dict[str, float]:
             for key, value in metrics.items()
             if isinstance(value, float)}
 
+
+
+def zero_shot_probabilities(image_emb: torch.Tensor, class_emb: torch.Tensor, logit_scale: torch.Tensor,
+                            logit_bias: torch.Tensor, loss: str = "siglip") -> torch.Tensor:
+    """(N, C) class probabilities as the model defines them: SigLIP scores each class on its own,
+    sigmoid(exp(t) cos + b) (what transformers' zero-shot-image-classification pipeline reports
+    for SigLIP); CLIP takes the softmax over the classes."""
+    logits = image_emb.float() @ class_emb.float().T * logit_scale.float().exp() + logit_bias.float()  # (N, C)
+    return torch.sigmoid(logits) if loss == "siglip" else torch.softmax(logits, dim=-1)

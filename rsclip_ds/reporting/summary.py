@@ -16,13 +16,15 @@ def _window_mean(values: list[float], head: bool, n: int = 5) -> float:
 
 
 def build_summary(result: TrainResult, *, profile: Profile, batch: BatchSizes, precision: str,
-                  preset: str, num_parameters: int, activation_checkpointing: bool,
+                  source, num_parameters: int, activation_checkpointing: bool,
                   loss: str, negatives: str, accumulation: str) -> dict[str, Any]:
+    """``source``: where the model came from (a hub.ModelSource, or a preset name)."""
     return {
         "profile": profile.name, "zero_stage": profile.stage,
         "offload_optimizer": profile.offload_optimizer, "offload_param": profile.offload_param,
         "activation_checkpointing": activation_checkpointing, "precision": precision,
-        "model": preset, "parameters": num_parameters, "loss": loss,
+        "model": str(source), "model_source": source.to_dict() if hasattr(source, "to_dict") else None,
+        "parameters": num_parameters, "loss": loss,
         "negatives": negatives, "accumulation_mode": accumulation,
         "micro_batch": batch.micro, "accumulation": batch.accumulation, "world_size": batch.world,
         "global_batch": batch.global_batch, "batch_arithmetic": str(batch),

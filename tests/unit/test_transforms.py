@@ -1,5 +1,7 @@
-"""One image transform: the training loader (augmentation off) and evaluation give the same
-pixels for the same image, bit for bit, for JPEG (draft decode), PNG and a grey-scale image."""
+"""One image transform: the training loader (augmentation and JPEG draft decoding off) and
+evaluation give the same pixels for the same image, bit for bit, for JPEG, PNG and a grey-scale
+image; with draft decoding on (the training default) only JPEGs at least twice the input size
+change, by a measured amount."""
 
 from __future__ import annotations
 
@@ -62,11 +64,10 @@ def images(tmp_path_factory):
     return root, encoded
 
 
-def test_training_and_evaluation_give_the_same_pixels(images, tiny_tokenizer):
-    root, encoded = images
+def _training_pixels(root, encoded, tokenizer, **data) -> dict:
     loader = build_train_loader(DataConfig(train_shards=str(root / "train-000000.tar"), num_workers=0,
-                                           shuffle_buffer=0),
-                                tokenizer=tiny_tokenizer, image_size=SIZE, image_mean=MEAN, image_std=STD,
+                                           shuffle_buffer=0, **data),
+                                tokenizer=tokenizer, image_size=SIZE, image_mean=MEAN, image_std=STD,
                                 max_text_length=16, micro_batch_size=1, rank=0, world_size=1, seed=0,
                                 return_keys=True)
     batches = iter(loader)
@@ -74,16 +75,39 @@ def test_training_and_evaluation_give_the_same_pixels(images, tiny_tokenizer):
     for _ in encoded:
         batch = next(batches)
         train[batch["keys"][0]] = batch["pixel_values"][0]                   # (3, S, S)
-    bundle = ModelBundle(None, tiny_tokenizer, SIZE, MEAN, STD, 16)
+    return train
+
+
+def _evaluation_pixels(root, encoded, tokenizer) -> dict:
+    bundle = ModelBundle(None, tokenizer, SIZE, MEAN, STD, 16)
     recorder = _Recorder()
     keys = sorted(encoded)
     Embedder(recorder, bundle, batch_size=len(keys), progress=False).embed(
         [root / f"{k}.{encoded[k][0]}" for k in keys], ["a caption"], "test")
-    evaluated = dict(zip(keys, recorder.pixels[0]))
-    assert sorted(train) == keys
-    for key in keys:
+    return dict(zip(keys, recorder.pixels[0]))
+
+
+def test_training_and_evaluation_give_the_same_pixels(images, tiny_tokenizer):
+    root, encoded = images
+    train = _training_pixels(root, encoded, tiny_tokenizer, jpeg_draft=False)
+    evaluated = _evaluation_pixels(root, encoded, tiny_tokenizer)
+    assert sorted(train) == sorted(evaluated) == sorted(encoded)
+    for key in encoded:
         assert train[key].shape == (3, SIZE, SIZE)
         assert torch.equal(train[key], evaluated[key]), key
+
+
+def test_draft_decoding_changes_only_large_jpegs(images, tiny_tokenizer):
+    """With the training default (draft on) the two 130 x 90 JPEGs (colour and grey, for 24 px)
+    decode at 1/2 scale and change by a few grey levels on average; the PNG is untouched."""
+    root, encoded = images
+    train = _training_pixels(root, encoded, tiny_tokenizer)
+    evaluated = _evaluation_pixels(root, encoded, tiny_tokenizer)
+    assert torch.equal(train["png"], evaluated["png"])
+    std = torch.tensor(STD).view(3, 1, 1)
+    for key in ("jpeg", "grey"):
+        grey_levels = ((train[key] - evaluated[key]) * std * 255).abs()          # back to 0..255 units
+        assert 0 < grey_levels.mean() < 8, (key, grey_levels.mean())
 
 
 def test_normalize_is_the_model_normalisation():
