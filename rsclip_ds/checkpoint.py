@@ -248,8 +248,12 @@ class Checkpointer:
         return client["rsclip"]["ranks"][self.rank]
 
 
-def write_hf_extras(folder: Path, model_config, tokenizer, image_size: int, mean, std) -> None:
-    """Everything of a Hugging Face folder except the weights (those come at export)."""
+SOURCE_FILE = "rsclip_source.json"   # in the checkpoint's hf/ folder: where the run's model came from
+
+
+def write_hf_extras(folder: Path, model_config, tokenizer, image_size: int, mean, std, source=None) -> None:
+    """Everything of a Hugging Face folder except the weights (those come at export), and the
+    model's source (hub.ModelSource) for the export's model card."""
     from transformers import SiglipImageProcessorPil
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -257,11 +261,30 @@ def write_hf_extras(folder: Path, model_config, tokenizer, image_size: int, mean
     tokenizer.save_pretrained(str(folder))
     SiglipImageProcessorPil(size={"height": image_size, "width": image_size}, image_mean=list(mean),
                             image_std=list(std)).save_pretrained(str(folder))
+    if source is not None:
+        (folder / SOURCE_FILE).write_text(json.dumps(source.to_dict(), indent=2))
+
+
+def _model_card(name: str, source: dict | None, step: int, dtype: str) -> str:
+    """README.md with the Hub's metadata header: `base_model` names the hub model it started from."""
+    header = ["---", "library_name: transformers", "pipeline_tag: zero-shot-image-classification",
+              "tags: [siglip, remote-sensing, rsclip_ds]"]
+    origin = "a randomly initialised model"
+    if source and source.get("kind") == "hub":
+        header.append(f"base_model: {source['name']}")
+        origin = f"[{source['name']}](https://huggingface.co/{source['name']}) at commit {source.get('commit')}"
+    elif source and source.get("kind") == "folder":
+        origin = f"the local model folder {source['name']}"
+    elif source:
+        origin = f"the `{source['name']}` preset, randomly initialised"
+    return "\n".join(header + ["---", "", f"# {name}", "",
+                                f"SigLIP dual encoder trained with rsclip_ds {__version__} from {origin}, "
+                                f"{step} optimizer steps; weights in {dtype}.", ""])
 
 
 # --------------------------------------------------------------------------- export
 
-EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32") -> Path:
@@ -281,10 +304,12 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32") 
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
     for item in extras.iterdir():
-        if item.name != "config.json":
+        if item.name not in ("config.json", SOURCE_FILE):
             shutil.copy2(item, out / item.name)
     meta = load_meta(root, tag)
+    source = json.loads((extras / SOURCE_FILE).read_text()) if (extras / SOURCE_FILE).is_file() else None
     (out / "rsclip_export.json").write_text(json.dumps(
-        {"checkpoint": str(root / tag), "step": meta["step"], "dtype": dtype,
+        {"checkpoint": str(root / tag), "step": meta["step"], "dtype": dtype, "base_model": source,
          "rsclip_ds_version": __version__}, indent=2))
+    (out / "README.md").write_text(_model_card(out.name, source, meta["step"], dtype))
     return out

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -41,6 +41,11 @@ class ModelConfig(_Strict):
     activation_checkpointing: Optional[bool] = Field(
         None, description="Recompute tower activations in backward to save memory. null: as the "
         "profile's `rsclip.activation_checkpointing` says.")
+
+    @field_validator("pretrained", mode="before")
+    @classmethod
+    def _path_to_str(cls, value):
+        return str(value) if isinstance(value, Path) else value
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":

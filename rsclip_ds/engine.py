@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,3 +47,43 @@ def loss_scale(engine) -> float | None:
     if scale is None and hasattr(opt, "loss_scaler"):
         scale = opt.loss_scaler.cur_scale
     return float(scale) if scale is not None else None
+
+
+def set_fp32_masters(engine, folder: Path) -> int:
+    """Make the optimizer's fp32 master weights equal the pretrained folder's weights, exactly.
+
+    Under bf16/fp16 DeepSpeed builds its fp32 masters from the 16-bit copy of the module, so a
+    run from a 16-bit or fp32 checkpoint would start from weights rounded to the training dtype
+    (bf16 keeps 8 bits of mantissa). This reads each weight from the folder's safetensors
+    (memory-mapped, one tensor at a time) and writes it into the master with DeepSpeed's
+    `safe_set_full_fp32_param` (every ZeRO stage). The 16-bit module copy already is the
+    rounded value; the first step refreshes it from the masters. Returns the tensors set."""
+    from safetensors import safe_open
+
+    params = dict(engine.module.named_parameters())
+    done = 0
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key in params:
+                    _set_master(params[key], f.get_tensor(key).float())
+                    done += 1
+    return done
+
+
+def _set_master(param, value: torch.Tensor) -> None:
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_local_fp32_param
+
+    if not hasattr(param, "ds_id"):
+        safe_set_full_fp32_param(param, value)   # ZeRO-1/2
+        return
+    # ZeRO-3: this rank's slice of the flat value, zero-padded like DeepSpeed's partitions.
+    # (0.19.8's safe_set_full_fp32_param reads past the end for the last rank when the size
+    # does not divide by the ranks, e.g. the 1-element logit scale.)
+    import torch.distributed as dist
+
+    size = param.ds_tensor.numel()
+    rank = dist.get_rank(group=getattr(param, "ds_process_group", None))
+    flat = torch.nn.functional.pad(value.flatten(), (0, size * dist.get_world_size(
+        group=getattr(param, "ds_process_group", None)) - value.numel()))
+    safe_set_local_fp32_param(param, flat[rank * size:(rank + 1) * size])

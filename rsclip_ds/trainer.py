@@ -28,7 +28,7 @@ from rsclip_ds.data import build_train_loader, expand_urls
 from rsclip_ds.distributed import (DistInfo, Heartbeat, StopFlag, accelerator_is_gpu, configure_logging,
                                    destroy_distributed, init_distributed, process_group_exists,
                                    world_size_from_env)
-from rsclip_ds.engine import build_engine
+from rsclip_ds.engine import build_engine, set_fp32_masters
 from rsclip_ds.evaluation.hook import build_eval_hook
 from rsclip_ds.hub import check_source, resolve_source_per_node
 from rsclip_ds.losses import build_loss
@@ -129,6 +129,8 @@ class Trainer:
         engine = build_engine(bundle.model, self.ds_config)
         checkpointer = self._checkpointer(bundle)
         resume = checkpointer.load(engine, run.checkpoint.resume) if run.checkpoint.resume else None
+        if resume is None and run.precision != "fp32" and bundle.source and bundle.source.folder:
+            set_fp32_masters(engine, Path(bundle.source.folder))   # not rounded to the 16-bit dtype
         loader = build_train_loader(
             run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
             image_mean=bundle.image_mean, image_std=bundle.image_std,
@@ -145,7 +147,8 @@ class Trainer:
     def _checkpointer(self, bundle: ModelBundle) -> Checkpointer:
         run = self.run
         extras = partial(write_hf_extras, model_config=bundle.model.config, tokenizer=bundle.tokenizer,
-                         image_size=bundle.image_size, mean=bundle.image_mean, std=bundle.image_std)
+                         image_size=bundle.image_size, mean=bundle.image_mean, std=bundle.image_std,
+                         source=bundle.source)
         return Checkpointer(run.checkpoint, checkpoint_root(run.output_dir), rank=self.info.rank,
                             world_size=self.info.world_size, run_config=run.model_dump(mode="json"),
                             write_extras=extras, kill_in_save_at=run.faults.inject_kill_in_save_at_step)

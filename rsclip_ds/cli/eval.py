@@ -55,8 +55,8 @@ def register(sub) -> None:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--checkpoint", type=Path, help="a training checkpoint: {output_dir}/checkpoints/"
                        "step{N:08d}, the checkpoints folder or the run's output_dir (newest checkpoint)")
-    which.add_argument("--model", type=Path, help="a Hugging Face folder (SiglipModel, tokenizer, "
-                       "image processor), e.g. from `rsclip-ds export`")
+    which.add_argument("--model", help="a Hugging Face SigLIP folder or hub id (e.g. lcybuaa/Git-RSCLIP), "
+                       "with tokenizer and image processor, e.g. from `rsclip-ds export`")
     p.add_argument("--zero-shot", type=Path, help="class-folder data set (default for a checkpoint: "
                    "the run's eval.zero_shot_dir)")
     p.add_argument("--retrieval", type=Path, help="Karpathy-style caption JSON (default for a "
@@ -88,7 +88,8 @@ def _load_for_eval(args, loss: str = "siglip"):
 
     if args.model is not None:
         bundle = build_model(ModelConfig(pretrained=args.model), seed=0, loss=loss)
-        return bundle, None, EvalConfig(), Path("eval") / f"{args.model.resolve().name}.json", None
+        name = Path(args.model).resolve().name if Path(args.model).exists() else args.model.rsplit("/", 1)[-1]
+        return bundle, None, EvalConfig(), Path("eval") / f"{name}.json", None
     from rsclip_ds.checkpoint import consolidated_state_dict, resolve_checkpoint
 
     try:
@@ -144,7 +145,7 @@ def run(args) -> int:
         results = evaluate(Embedder(model, bundle, cfg.batch_size, info.rank, info.world_size, dtype,
                                     device), sets)
         if info.rank == 0:
-            source = str(args.checkpoint or args.model)
+            source = str(bundle.source) if args.model else str(args.checkpoint)
             out = args.out or default_out
             out.parent.mkdir(parents=True, exist_ok=True)
             record = {"source": source, "step": step, "precision": args.precision, **results}

@@ -11,7 +11,8 @@ def register(sub) -> None:
     p = sub.add_parser("export", help="write a Hugging Face folder (safetensors) from a checkpoint")
     p.add_argument("checkpoint", help="run output_dir, its checkpoints/ folder, or a step######## folder")
     p.add_argument("out_dir", type=Path)
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weight dtype (default fp32)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="weight dtype of model.safetensors (default fp32; the published Git-RSCLIP is 16-bit)")
     p.set_defaults(handler=run)
 
 

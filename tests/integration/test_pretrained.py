@@ -1,0 +1,108 @@
+"""Fine-tuning from a folder of the published Git-RSCLIP shape (16-bit safetensors, SentencePiece
+tokenizer; tests/published_like.py) on 2 CPU ranks, one launch per ZeRO stage / precision
+(pretrained_worker.py):
+
+- ZeRO-3 builds the model partitioned (each rank holds half the parameters right after the
+  build) and its engine's embeddings equal transformers' SiglipModel on the same inputs;
+- every stage starts from fp32 master weights equal to the folder's weights, bit for bit, also
+  under bf16 (DeepSpeed alone would round them to bf16) -- and under fp16 where the CPU has it;
+- the short fine-tune trains (finite losses) and the summary names the model's source.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from tests.integration.conftest import ROOT, deepspeed_cmd, free_port, run_checked
+from tests.published_like import write_published_like
+
+pytestmark = pytest.mark.slow
+WORKER = ROOT / "tests" / "integration" / "pretrained_worker.py"
+
+
+def _fp16_supported() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_published_like(tmp_path_factory.mktemp("published"))
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    from rsclip_ds.data.synthetic import make_synthetic
+
+    out = tmp_path_factory.mktemp("pretrained_data")
+    index = make_synthetic(out, num_train=256, num_val=16, shard_size=64, image_size=64, seed=0, progress=False)
+    return index["train_pattern"]
+
+
+@pytest.fixture(scope="module")
+def runs(folder, shards, tmp_path_factory):
+    """profile/precision -> (result.json, embeddings) of one launch each, run on first use."""
+    cache = {}
+
+    def get(profile: str, precision: str):
+        if (profile, precision) not in cache:
+            out = tmp_path_factory.mktemp(f"{profile}_{precision}")
+            run_checked(deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port()), str(WORKER),
+                                           "--folder", str(folder), "--shards", shards, "--out", str(out),
+                                           "--set", f"profile={profile}", "--set", f"precision={precision}"],
+                        timeout=600)
+            cache[profile, precision] = (json.loads((out / "result.json").read_text()),
+                                         torch.load(out / "embeddings.pt"))
+        return cache[profile, precision]
+    return get
+
+
+def _reference_embeddings(folder, probe):
+    from transformers import SiglipModel
+
+    model = SiglipModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        image = model.get_image_features(pixel_values=probe["pixels"]).pooler_output
+        text = model.get_text_features(input_ids=probe["ids"]).pooler_output
+    return torch.nn.functional.normalize(image, dim=-1), torch.nn.functional.normalize(text, dim=-1)
+
+
+def _check_training(result, folder, precision):
+    summary = result["summary"]
+    assert summary["model"] == f"{folder} (folder)" and summary["model_source"]["kind"] == "folder"
+    assert summary["precision"] == precision and len(summary["losses"]) == 4
+    assert all(math.isfinite(v) for v in summary["losses"])
+
+
+def test_zero3_builds_partitioned_and_embeds_as_transformers(runs, folder):
+    result, probe = runs("zero3", "fp32")
+    n = result["parameters"]
+    assert len(result["held_per_rank"]) == 2
+    assert all(held <= 0.55 * n for held in result["held_per_rank"]), (result["held_per_rank"], n)
+    assert sum(result["held_per_rank"]) >= n
+    assert result["master_vs_folder"] == 0.0
+    ref_image, ref_text = _reference_embeddings(folder, probe)
+    torch.testing.assert_close(probe["image"], ref_image, atol=1e-5, rtol=0)
+    torch.testing.assert_close(probe["text"], ref_text, atol=1e-5, rtol=0)
+    _check_training(result, folder, "fp32")
+
+
+@pytest.mark.parametrize("profile,precision", [("zero1", "bf16"), ("zero2", "bf16"), ("zero2", "fp16")])
+def test_16bit_runs_start_from_exact_fp32_masters(runs, folder, profile, precision):
+    if precision == "fp16" and not _fp16_supported():
+        pytest.skip("fp16 is not supported by this CPU (torch.ops.mkldnn._is_mkldnn_fp16_supported)")
+    result, probe = runs(profile, precision)
+    assert result["held_per_rank"] == [result["parameters"]] * 2   # ZeRO-1/2 keep whole parameters
+    assert result["master_vs_folder"] == 0.0
+    ref_image, ref_text = _reference_embeddings(folder, probe)   # the 16-bit forward: close, not equal
+    torch.testing.assert_close(probe["image"], ref_image, atol=3e-2, rtol=0)
+    torch.testing.assert_close(probe["text"], ref_text, atol=3e-2, rtol=0)
+    _check_training(result, folder, precision)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
