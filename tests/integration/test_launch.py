@@ -13,8 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.integration.conftest import (DEMO_CONFIG, ROOT, deepspeed_cmd, free_port, launch_env,
-                                        run_checked, train_args)
+from tests.integration.helpers import ROOT, deepspeed_cmd, free_port, launch_env, run_checked, train_args
 
 pytestmark = pytest.mark.slow
 PROFILES = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
