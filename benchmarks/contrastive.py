@@ -26,7 +26,6 @@ machine; the byte counts are deterministic.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
 import statistics
@@ -40,7 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import environment, max_over_ranks, write_report
+from harness import (base_parser, environment, finish, max_over_ranks, process_group, pyplot, rank0_print,
+                     save_figure)
 from rsclip_ds.losses import build_loss, clip_loss_global, naive_global_loss, siglip_loss_global
 from rsclip_ds.model import new_dual_encoder, preset_config
 from rsclip_ds.train import train_step, train_step_global
@@ -216,7 +216,10 @@ def model_config(cfg: BenchConfig):
     return config
 
 
-def build_engine(config, micro: int, k: int, world: int):
+def bare_engine(config, micro: int, k: int, world: int):
+    """A minimal ZeRO-2 engine around a fresh model: the scaffolding for comparing the step
+    functions (train_step, train_step_global) on one engine, not a run (no shards, loader or
+    schedule are involved, so not the Trainer)."""
     import deepspeed
 
     model = new_dual_encoder(config, "siglip", seed=0)
@@ -259,7 +262,7 @@ def bench_k(cfg: BenchConfig, config, k: int, rank: int, world: int) -> dict:
     loss_fn = build_loss("siglip", negatives="global", rank=rank, world_size=world)
     batches = make_batches(config, cfg.micro, k, rank)
     big = {key: torch.cat([b[key] for b in batches]) for key in batches[0]}        # (8k, ...)
-    engine = build_engine(config, cfg.micro, k, world)
+    engine = bare_engine(config, cfg.micro, k, world)
     results = {
         "plain": bench_mode(engine, lambda: [train_step(engine, b, loss_fn, torch.float32)
                                              for b in batches], cfg.step_repeats),
@@ -267,7 +270,7 @@ def bench_k(cfg: BenchConfig, config, k: int, rank: int, world: int) -> dict:
                              cfg.step_repeats),
     }
     del engine
-    engine = build_engine(config, cfg.micro * k, 1, world)
+    engine = bare_engine(config, cfg.micro * k, 1, world)
     results["big_batch"] = bench_mode(engine, lambda: train_step(engine, big, loss_fn, torch.float32),
                                       cfg.step_repeats)
     del engine
@@ -328,13 +331,9 @@ def print_tables(report: dict) -> None:
 
 def plot(report: dict, path: Path) -> str | None:
     """Four panels -> PNG; returns the path, or None (with a note) without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("note: matplotlib is not installed (pip install rsclip_ds[bench]); wrote the JSON only")
+    plt = pyplot()
+    if plt is None:
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 9))
@@ -361,54 +360,27 @@ def plot(report: dict, path: Path) -> str | None:
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save_figure(plt, fig, path)
 
 
 # --------------------------------------------------------------------------- entry point
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="JSON path; the PNG goes beside it")
-    parser.add_argument("--tiny", action="store_true", help="seconds-long variant (used by a test)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
-    return parser.parse_args(argv)
-
-
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = base_parser(__doc__, tiny=True).parse_args(argv)
     cfg = TINY if args.tiny else FULL
-    import logging
-
-    from rich.console import Console
-
-    from rsclip_ds.distributed import destroy_distributed, init_distributed
-
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    # Default 1 thread per rank: with torch's default (all cores per rank) 2 ranks on 2 cores
-    # oversubscribe, and on a busy machine a tiny step went from 20 ms to 1 s (OpenMP waits).
-    torch.set_num_threads(args.threads)
-    info = init_distributed()   # a one-rank group on localhost without a launcher
-    try:
+    with process_group(args.threads) as info:   # a one-rank group on localhost without a launcher
         rank, world = info.rank, info.world_size
-        say = Console(soft_wrap=True).print if rank == 0 else (lambda msg: None)
+        say = rank0_print(rank)
         t0 = time.perf_counter()
         losses = bench_losses(cfg, rank, world, say)
         accumulation, model = bench_accumulation(cfg, rank, world, say)
         report = {"config": {**asdict(cfg), "tiny": args.tiny, "model": model},
-                  "environment": environment(world, args.threads),
+                  "environment": environment(args.threads),
                   "loss_forms": losses, "loss_ratios": loss_ratios(losses),
                   "accumulation": accumulation, "accumulation_ratios": accumulation_ratios(accumulation),
                   "seconds": time.perf_counter() - t0}
-        if rank == 0:
-            write_report(report, args.out, plot, print_tables)
-            say(f"wrote {args.out} in {report['seconds']:.0f}s")
-        dist.barrier()
-    finally:
-        destroy_distributed()
+        finish(report, args.out, rank, print_tables, plot)
+        say(f"wrote {args.out} in {report['seconds']:.0f}s")
     return 0
 
 

@@ -1,5 +1,5 @@
 """Samples/s, MFU and peak memory of git-rsclip-base / -large on one GPU: bf16, ZeRO-2 and
-ZeRO-3, with and without activation checkpointing. No network, no shards (synthetic tensors).
+ZeRO-3, with and without activation checkpointing. No network; the batches are synthetic tensors.
 
     python benchmarks/gpu.py --out benchmarks/results/gpu_h200.json
 
@@ -15,26 +15,32 @@ at both ends), model FLOPs per sample (rsclip_ds.flops: 3 x the forward matmul F
 towers), MFU = FLOPs per sample x samples/s / peak bf16 FLOP/s of the device (989 TFLOP/s dense
 for H100/H200 SXM; --peak-tflops for others), HFU (counting the recomputed forward under
 activation checkpointing), and torch.cuda.max_memory_allocated over engine build + steps.
-The train step is rsclip_ds.train.train_step with the SigLIP loss (one rank: local = global).
+The engine, loss and activation checkpointing are the run's (`rsclip_ds.trainer.Trainer(run,
+model=...).build()`, the model built on the device through the `model=` seam; the Trainer's
+loader reads a few 64 px synthetic shards written under --data and is never iterated); the step
+is rsclip_ds.train.train_step with the SigLIP loss (one rank: local = global).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from harness import (base_parser, environment, preset_bundle, process_group, run_script, synthetic_data,
+                     write_report)
+
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 # micro-batch per GPU: activations ~75 MiB/sample (base) and ~243 MiB/sample (large) without
 # checkpointing (rsclip_ds.memory) -> ~19 / ~31 GB, beside 16 bytes/param of model states.
 MICRO = {"git-rsclip-base": 256, "git-rsclip-large": 128, "tiny": 8}
+# The Trainer builds a loader (never read here: the batches are synthetic tensors in device
+# memory); 16 shards feed up to 16 ranks.
+DATA = {"num_train": 128, "num_val": 8, "shard_size": 8}
 
 
 @dataclass(frozen=True)
@@ -64,75 +70,67 @@ def peak_flops(device_name: str, override_tflops: float | None) -> float | None:
     return None
 
 
-def run_case(case: Case, precision: str, warmup: int, seconds: float, max_steps: int,
-             peak_tflops: float | None) -> dict:
-    """Build, warm up, time; -> the row. Runs inside its own process."""
+def run_case(case: Case, args) -> dict:
+    """Build with the Trainer, warm up, time; -> the row. Runs inside its own process."""
     import torch
     from deepspeed.accelerator import get_accelerator
 
     from rsclip_ds.config import load_config
-    from rsclip_ds.distributed import destroy_distributed, init_distributed
-    from rsclip_ds.engine import build_engine, engine_dtype
+    from rsclip_ds.engine import engine_dtype
     from rsclip_ds.flops import flops_per_sample
-    from rsclip_ds.losses import build_loss
-    from rsclip_ds.model import apply_activation_checkpointing, new_dual_encoder, preset_config
-    from rsclip_ds.profiles import build_ds_config, load_profile
     from rsclip_ds.train import train_step
+    from rsclip_ds.trainer import Trainer
 
-    info = init_distributed()
-    try:
+    with process_group(args.threads) as info, tempfile.TemporaryDirectory() as out_dir:
         acc = get_accelerator()
-        on_gpu = info.on_gpu
-        device = torch.device(acc.device_name(info.local_rank) if on_gpu else "cpu")
-        run = load_config(None, [f"precision={precision}", f"batch.micro_batch_size={case.micro}",
-                                 "steps=1000", "optim.warmup_steps=10", f"profile={case.profile}"])
-        ds_config = build_ds_config(run, load_profile(case.profile), info.world_size, on_gpu=on_gpu)
-        config = preset_config(case.preset)
-        if on_gpu:
+        device = torch.device(acc.device_name(info.local_rank) if info.on_gpu else "cpu")
+        data = synthetic_data(args.data, info.rank, **DATA)
+        run = load_config(None, [f"precision={args.precision}", f"batch.micro_batch_size={case.micro}",
+                                 "steps=1000", "optim.warmup_steps=10", f"profile={case.profile}",
+                                 f"model.preset={case.preset}", f"model.activation_checkpointing={case.checkpointing}",
+                                 f"data.train_shards={data['train_pattern']}", "data.num_workers=0",
+                                 f"output_dir={out_dir}", "checkpoint.at_end=false"])
+        if info.on_gpu:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        with device:   # initialise the weights on the device: seconds, not a minute, for -large
-            model = new_dual_encoder(config, "siglip", seed=0)
-        if case.checkpointing:
-            apply_activation_checkpointing(model)
-        engine = build_engine(model, ds_config)
-        build_s = time.perf_counter() - t0
-        dtype = engine_dtype(engine)
-        loss_fn = build_loss("siglip", negatives="global", rank=info.rank, world_size=info.world_size)
-        v, t = config.vision_config, config.text_config
-        g = torch.Generator(device=engine.device).manual_seed(info.rank)
-        batch = {"pixel_values": torch.randn(case.micro, 3, v.image_size, v.image_size, device=engine.device,
-                                             generator=g).to(dtype),                          # (B,3,H,W)
-                 "input_ids": torch.randint(0, t.vocab_size, (case.micro, t.max_position_embeddings),
-                                            device=engine.device, generator=g)}               # (B,L)
-        for _ in range(warmup):
-            train_step(engine, batch, loss_fn, dtype)
-        acc.synchronize()
-        steps, t0 = 0, time.perf_counter()
-        while steps < max_steps and (steps == 0 or time.perf_counter() - t0 < seconds):
-            loss = train_step(engine, batch, loss_fn, dtype)
-            steps += 1
-        acc.synchronize()
-        elapsed = time.perf_counter() - t0
-        samples_per_s = steps * case.micro * info.world_size / elapsed
-        flops = flops_per_sample(config)
-        name = torch.cuda.get_device_name(engine.device) if on_gpu else "cpu"   # e.g. 'NVIDIA H200'
-        peak = peak_flops(name, peak_tflops)
-        row = {"case": case.name, **asdict(case), "precision": precision, "ok": True,
-               "device": name, "world_size": info.world_size,
-               "parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
-               "build_s": build_s, "timed_steps": steps, "elapsed_s": elapsed,
-               "samples_per_s": samples_per_s, "step_ms": 1e3 * elapsed / steps,
-               "flops_per_sample": flops.to_dict(),
-               "achieved_tflops": flops.train() * samples_per_s / 1e12,
-               "peak_tflops": peak / 1e12 if peak else None,
-               "mfu": flops.train() * samples_per_s / peak if peak else None,
-               "hfu": flops.train(case.checkpointing, hardware=True) * samples_per_s / peak if peak else None,
-               "peak_memory_bytes": torch.cuda.max_memory_allocated() if on_gpu else None,
-               "final_loss": float(loss)}
-        return row
-    finally:
-        destroy_distributed()
+        bundle = preset_bundle(case.preset, data["tokenizer"], device)   # -large: seconds on the GPU
+        with Trainer(run, model=bundle) as trainer:
+            parts = trainer.build()
+            engine, loss_fn, config = parts.engine, parts.loss_fn, bundle.model.config
+            build_s = time.perf_counter() - t0
+            dtype = engine_dtype(engine)
+            v, t = config.vision_config, config.text_config
+            g = torch.Generator(device=engine.device).manual_seed(info.rank)
+            batch = {"pixel_values": torch.randn(case.micro, 3, v.image_size, v.image_size, device=engine.device,
+                                                 generator=g).to(dtype),                          # (B,3,H,W)
+                     "input_ids": torch.randint(0, t.vocab_size, (case.micro, t.max_position_embeddings),
+                                                device=engine.device, generator=g)}               # (B,L)
+            losses = [float(train_step(engine, batch, loss_fn, dtype)) for _ in range(args.warmup)]
+            acc.synchronize()
+            steps, t0 = 0, time.perf_counter()
+            while steps < args.max_steps and (steps == 0 or time.perf_counter() - t0 < args.seconds):
+                loss = train_step(engine, batch, loss_fn, dtype)
+                steps += 1
+            acc.synchronize()
+            elapsed = time.perf_counter() - t0
+            losses.append(float(loss))
+            params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in bundle.model.parameters())
+    samples_per_s = steps * case.micro * info.world_size / elapsed
+    flops = flops_per_sample(config)
+    name = torch.cuda.get_device_name(device) if info.on_gpu else "cpu"   # e.g. 'NVIDIA H200'
+    peak = peak_flops(name, args.peak_tflops)
+    return {"case": case.name, **asdict(case), "precision": args.precision, "ok": True,
+            "device": name, "world_size": info.world_size, "parameters": params,
+            "activation_checkpointing": parts.activation_checkpointing,
+            "build_s": build_s, "timed_steps": steps, "elapsed_s": elapsed,
+            "samples_per_s": samples_per_s, "step_ms": 1e3 * elapsed / steps,
+            "flops_per_sample": flops.to_dict(),
+            "achieved_tflops": flops.train() * samples_per_s / 1e12,
+            "peak_tflops": peak / 1e12 if peak else None,
+            "mfu": flops.train() * samples_per_s / peak if peak else None,
+            "hfu": flops.train(case.checkpointing, hardware=True) * samples_per_s / peak if peak else None,
+            "peak_memory_bytes": torch.cuda.max_memory_allocated() if info.on_gpu else None,
+            "first_loss": losses[0], "final_loss": losses[-1]}
 
 
 # --------------------------------------------------------------------------- driver
@@ -141,29 +139,17 @@ def run_in_process(case: Case, args, timeout: float) -> dict:
     """One case in a fresh Python process; a crash or a timeout becomes a row with the reason."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "row.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(result),
-               "--model", case.preset, "--profiles", case.profile, "--ac", "on" if case.checkpointing else "off",
-               "--micro", str(case.micro), "--precision", args.precision, "--warmup", str(args.warmup),
-               "--seconds", str(args.seconds), "--max-steps", str(args.max_steps)]
+        cli = ["--worker", "--out", str(result), "--model", case.preset, "--profiles", case.profile,
+               "--ac", "on" if case.checkpointing else "off", "--micro", str(case.micro),
+               "--precision", args.precision, "--warmup", str(args.warmup), "--seconds", str(args.seconds),
+               "--max-steps", str(args.max_steps), "--data", str(args.data), "--threads", str(args.threads)]
         if args.peak_tflops:
-            cmd += ["--peak-tflops", str(args.peak_tflops)]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
-                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_PORT"):
-            env.pop(key, None)   # each case makes its own one-rank group
+            cli += ["--peak-tflops", str(args.peak_tflops)]
         t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"case": case.name, **asdict(case), "ok": False,
-                    "error": f"timed out after {timeout:.0f}s (raise --case-timeout)"}
-        if proc.returncode != 0 or not result.is_file():
-            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-            return {"case": case.name, **asdict(case), "ok": False, "error": f"exit {proc.returncode}",
-                    "output_tail": tail}
-        row = json.loads(result.read_text())
-        row["process_s"] = time.perf_counter() - t0
-        return row
+        row = run_script(Path(__file__).resolve(), cli, result, timeout)
+        if not row.get("ok", True) and row["error"].startswith("timed out"):
+            row["error"] += " (raise --case-timeout)"
+        return {"case": case.name, **asdict(case), **row, "process_s": time.perf_counter() - t0}
 
 
 def print_table(report: dict) -> None:
@@ -185,8 +171,7 @@ def print_table(report: dict) -> None:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="JSON path")
+    parser = base_parser(__doc__)
     parser.add_argument("--model", nargs="*", default=["git-rsclip-base", "git-rsclip-large"],
                         help="presets (tiny: the CPU smoke test)")
     parser.add_argument("--profiles", nargs="*", default=["zero2", "zero3"])
@@ -202,40 +187,39 @@ def parse_args(argv):
     parser.add_argument("--total-budget", type=float, default=450.0,
                         help="seconds for all cases; cases that would start after it are skipped")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU if not in PEAK_BF16_TFLOPS")
+    parser.add_argument("--data", type=Path, default=Path("runs/bench_data"),
+                        help="where the Trainer's (unread) synthetic shards are written, reused when present")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    todo = cases(args.model, args.profiles, [a == "on" for a in args.ac], args.micro)
     if args.worker:
-        case = cases(args.model, args.profiles, [a == "on" for a in args.ac], args.micro)[0]
-        row = run_case(case, args.precision, args.warmup, args.seconds, args.max_steps, args.peak_tflops)
+        row = run_case(todo[0], args)
         args.out.write_text(json.dumps(row))
         return 0
     import torch
 
     t0 = time.perf_counter()
     rows = []
-    todo = cases(args.model, args.profiles, [a == "on" for a in args.ac], args.micro)
     for i, case in enumerate(todo):
         left = args.total_budget - (time.perf_counter() - t0)
         if left < 20:
             rows.append({"case": case.name, **asdict(case), "ok": False,
                          "error": f"skipped: --total-budget {args.total_budget:.0f}s used up"})
             continue
-        row = run_in_process(case, args, min(args.case_timeout, left))
-        rows.append(row)
+        rows.append(run_in_process(case, args, min(args.case_timeout, left)))
+        row = rows[-1]
         status = f"{row['samples_per_s']:.1f} samples/s" if row["ok"] else row["error"]
         print(f"[{i + 1}/{len(todo)}] {case.name}: {status} ({time.perf_counter() - t0:.0f}s)", flush=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     report = {"config": {"models": args.model, "profiles": args.profiles, "ac": args.ac, "precision": args.precision,
                          "warmup": args.warmup, "seconds": args.seconds, "max_steps": args.max_steps},
-              "environment": {"torch": torch.__version__, "device": device, "python": sys.version.split()[0]},
-              "cases": rows, "seconds": time.perf_counter() - t0}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print_table(report)
+              "environment": environment(args.threads, device=device), "cases": rows,
+              "seconds": time.perf_counter() - t0}
+    write_report(report, args.out, print_table)
     print(f"wrote {args.out} in {report['seconds']:.0f}s")
     return 0 if all(r["ok"] for r in rows) else 1
 

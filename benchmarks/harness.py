@@ -1,43 +1,211 @@
-"""What every benchmark script shares: the environment record and the rank-0 report writer.
-The scripts are run by path (`deepspeed ... benchmarks/X.py`), so this imports as `common`."""
+"""What every benchmark script repeats, so that each script holds only what it measures:
+arguments (--out, --tiny, --threads, the launcher's --local_rank), the process group, the
+environment record, reductions over ranks, the rank-0 report (JSON + PNG + tables), synthetic
+shards, and sub-runs in fresh processes.
+
+The scripts run by path (`deepspeed ... benchmarks/X.py`), so their folder is sys.path[0] and
+this imports as `harness`.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import os
 import platform
+import subprocess
+import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
+from rsclip_ds.distributed import DistInfo, destroy_distributed, init_distributed
 
-def environment(world: int, threads: int) -> dict:
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    return {"torch": torch.__version__, "deepspeed": deepspeed.__version__, "python": platform.python_version(),
-            "world_size": world, "device": get_accelerator().device_name(), "backend": dist.get_backend(),
-            "threads_per_rank": threads, "cpu_count": os.cpu_count()}
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 
 
-def write_report(report: dict, out: Path, plot: Callable[[dict, Path], str | None],
-                 print_tables: Callable[[dict], None]) -> None:
-    """Rank 0 only: the PNG beside the JSON (plot returns its path, or None without
-    matplotlib), the JSON itself, then the tables."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report["png"] = plot(report, out.with_suffix(".png"))
-    out.write_text(json.dumps(report, indent=2))
-    print_tables(report)
+# --------------------------------------------------------------------------- arguments
+
+def base_parser(doc: str, *, tiny: bool = False, out: Path | None = None) -> argparse.ArgumentParser:
+    """--out (required unless `out` gives a default), --tiny (when the script has a tiny variant),
+    --threads and the --local_rank the deepspeed launcher appends."""
+    parser = argparse.ArgumentParser(description=doc.strip().split("\n")[0])
+    parser.add_argument("--out", type=Path, required=out is None, default=out,
+                        help="JSON path; a PNG goes beside it where the script draws one")
+    if tiny:
+        parser.add_argument("--tiny", action="store_true", help="seconds-long variant (used by a test)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per rank (2 ranks on 2 cores: 1, no oversubscription)")
+    parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
+    return parser
 
 
-def max_over_ranks(values: list[float]) -> list[float]:
-    """Element-wise max over ranks, reduced on the accelerator: a GPU run's process group is
-    NCCL, which has no CPU tensors."""
+# --------------------------------------------------------------------------- process group
+
+@contextmanager
+def process_group(threads: int) -> Iterator[DistInfo]:
+    """The benchmark process's group (a one-rank group on localhost without a launcher), torch
+    threads pinned, DeepSpeed and transformers quiet. Trainers built inside leave it alone."""
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    # With torch's default (all cores per rank) 2 ranks on 2 cores oversubscribe: on a busy
+    # machine a tiny step went from 20 ms to 1 s (OpenMP waits). accelerate (the HF Trainer)
+    # sets torch's threads from OMP_NUM_THREADS when it is unset: pin both.
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    info = init_distributed()
+    try:
+        yield info
+    finally:
+        destroy_distributed()
+
+
+def rank0_print(rank: int) -> Callable[[str], None]:
+    """print on rank 0 (rich, no markup: paths and brackets print as they are), nothing elsewhere."""
+    if rank != 0:
+        return lambda msg: None
+    from rich.console import Console
+
+    return Console(soft_wrap=True, markup=False).print
+
+
+def environment(threads: int, **extra) -> dict:
+    """Versions, device and ranks; the DeepSpeed fields when a process group runs."""
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
+           "threads_per_rank": threads}
+    if dist.is_initialized():
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        env.update(deepspeed=deepspeed.__version__, world_size=dist.get_world_size(),
+                   device=get_accelerator().device_name(), backend=dist.get_backend())
+    return {**env, **extra}
+
+
+def _over_ranks(values: list[float], op) -> list[float]:
+    # on the accelerator: a GPU run's process group is NCCL only, which has no CPU tensors
     from deepspeed.accelerator import get_accelerator
 
     t = torch.tensor(values, dtype=torch.float64, device=get_accelerator().current_device_name())
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=op)
     return t.cpu().tolist()
+
+
+def max_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise max over ranks (every rank gets it)."""
+    return _over_ranks(values, dist.ReduceOp.MAX)
+
+
+def sum_over_ranks(values: list[float]) -> list[float]:
+    return _over_ranks(values, dist.ReduceOp.SUM)
+
+
+def mean_over_ranks(values: list[float]) -> list[float]:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return [v / world for v in sum_over_ranks(values)]
+
+
+# --------------------------------------------------------------------------- report
+
+def write_report(report: dict, out: Path, print_tables: Callable[[dict], None],
+                 plot: Callable[[dict, Path], str | None] | None = None) -> None:
+    """The PNG beside the JSON (plot returns its path, or None without matplotlib), the JSON
+    itself, then the tables. Call on rank 0 only."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if plot is not None:
+        report["png"] = plot(report, out.with_suffix(".png"))
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print_tables(report)
+
+
+def finish(report: dict, out: Path, rank: int, print_tables: Callable[[dict], None],
+           plot: Callable[[dict, Path], str | None] | None = None) -> None:
+    """Rank 0 writes the report; every rank waits for it (no rank tears down the group early)."""
+    if rank == 0:
+        write_report(report, out, print_tables, plot)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None with a note (it is an optional extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("note: matplotlib is not installed (pip install rsclip_ds[bench]); wrote the JSON only")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(plt, fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+# --------------------------------------------------------------------------- data
+
+def synthetic_data(root: Path, rank: int, *, num_train: int, num_val: int, shard_size: int) -> dict:
+    """Synthetic 64 px shards and a tokenizer trained on their captions, written by rank 0
+    once per size (reused when present); the other ranks wait.
+    -> {"train_pattern", "val_urls", "tokenizer"}."""
+    from rsclip_ds.data.synthetic import make_synthetic
+    from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
+
+    folder = Path(root) / f"synthetic_{num_train}_{num_val}_{shard_size}"
+    if rank == 0 and not (folder / "tokenizer" / "tokenizer.json").is_file():
+        index = make_synthetic(folder, num_train=num_train, num_val=num_val, shard_size=shard_size,
+                               image_size=64, seed=0, progress=False)
+        urls = [str(folder / s["url"]) for s in index["train"]]
+        train_tokenizer(iter_captions(urls), folder / "tokenizer", vocab_size=500, max_length=64)
+    if dist.is_initialized():
+        dist.barrier()
+    n_train, n_val = -(-num_train // shard_size), -(-num_val // shard_size)
+    return {"train_pattern": str(folder / f"train-{{000000..{n_train - 1:06d}}}.tar"),
+            "val_urls": [str(folder / f"val-{i:06d}.tar") for i in range(n_val)],
+            "tokenizer": str(folder / "tokenizer")}
+
+
+def preset_bundle(preset: str, tokenizer_dir: str, device: torch.device | str | None = None):
+    """The `Trainer(model=...)` for benchmarks that feed their own batches of the preset's shapes:
+    the preset with its own vocabulary (the model `rsclip_ds.memory.preset_spec` counts), seeded
+    as runs are, built on `device` (seconds on a GPU, a minute on the CPU for git-rsclip-large).
+    The tokenizer (ids < the preset's vocabulary) serves only the Trainer's loader."""
+    from rsclip_ds.model import IMAGE_MEAN, IMAGE_STD, ModelBundle, load_tokenizer, new_dual_encoder, preset_config
+
+    config = preset_config(preset)
+    with torch.device(device or "cpu"):
+        model = new_dual_encoder(config, "siglip", seed=0)
+    return ModelBundle(model, load_tokenizer(Path(tokenizer_dir)), config.vision_config.image_size, IMAGE_MEAN,
+                       IMAGE_STD, config.text_config.max_position_embeddings)
+
+
+# --------------------------------------------------------------------------- sub-runs
+
+def run_script(script: Path, args: list[str], result: Path, timeout: float) -> dict:
+    """`python script args` in a fresh process with no launcher variables (it makes its own
+    one-rank group) -> the JSON it wrote to `result`, or {"ok": False, "error": ...} when it
+    failed, wrote nothing or ran out of time."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, str(script), *args]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {timeout:.0f}s"}
+    if proc.returncode != 0 or not result.is_file():
+        return {"ok": False, "error": f"exit {proc.returncode}",
+                "output_tail": (proc.stdout + proc.stderr).strip().splitlines()[-15:]}
+    return json.loads(result.read_text())

@@ -3,9 +3,11 @@
     python benchmarks/loader.py --out benchmarks/results/loader.json        # ~3 min on 2 cores
     -> per worker count (1, 2): loader samples/s per worker, bare-loop samples/s per process,
        and their ratio (target >= 0.9).
+    python benchmarks/loader.py --out /tmp/loader.json --num-images 64 --shard-size 16 --micro 8 \
+        --samples 64 --repeats 2          # the tiny form tests/integration/test_benchmark_loader.py runs (~20 s)
 
 The images: --num-images synthetic land-cover scenes at --source-px (256) px, JPEG q90, in
-webdataset shards written by `rsclip_ds.shards.make_shards`. The loader: `build_train_loader`
+webdataset shards written by `rsclip_ds.data.shard_writer.make_shards`. The loader: `build_train_loader`
 with the default config (shuffle buffer, exact epochs, tokenisation, normalisation), resizing to
 --image-size. The bare loop: the same JPEG bytes, already in memory, `Image.open` + convert +
 bicubic resize, in k plain processes for k workers. A second reference adds what any loader
@@ -20,10 +22,8 @@ process's share, which samples/s per worker does not.
 
 from __future__ import annotations
 
-import argparse
 import io
 import itertools
-import json
 import os
 import platform
 import statistics
@@ -33,13 +33,12 @@ import time
 from multiprocessing import get_context
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))   # run by path: import the tree this file belongs to
+import numpy as np
+import PIL
+import torch
+from PIL import Image
 
-import numpy as np  # noqa: E402
-import PIL  # noqa: E402
-import torch  # noqa: E402
-from PIL import Image  # noqa: E402
+from harness import ROOT, base_parser, environment, write_report
 
 TARGET = 0.9
 
@@ -135,7 +134,7 @@ def run(args) -> dict:
     from rsclip_ds.data.tokenizer import train_tokenizer
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         t0 = time.perf_counter()
@@ -186,9 +185,7 @@ def run(args) -> dict:
             "setup": {"num_images": args.num_images, "source_px": args.source_px, "image_size": args.image_size,
                       "micro_batch_size": args.micro, "shard_size": args.shard_size,
                       "samples_per_measure": args.samples, "repeats": args.repeats, "jpeg_quality": 90},
-            "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                            "pillow": PIL.__version__, "cpu_count": os.cpu_count(),
-                            "platform": platform.platform()},
+            "environment": environment(args.threads, pillow=PIL.__version__, platform=platform.platform()),
             "results": rows}
 
 
@@ -210,8 +207,7 @@ def print_table(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "loader.json")
+    p = base_parser(__doc__, out=ROOT / "benchmarks" / "results" / "loader.json")
     p.add_argument("--num-images", type=int, default=1024)
     p.add_argument("--source-px", type=int, default=256)
     p.add_argument("--image-size", type=int, default=224)
@@ -221,10 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     args = p.parse_args(argv)
-    report = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print_table(report)
+    write_report(run(args), args.out, print_table)
     return 0
 
 

@@ -6,10 +6,12 @@
 Writes the JSON given by --out and a PNG beside it (same name, .png); rank 0 prints the table.
 On 2 CPU ranks of a 2-core machine the tiny preset takes ~1 minute, mostly engine builds.
 
-For every profile in ds_profiles/ one process builds a fresh model and engine from a client-free
-DeepSpeed config (`build_ds_config`, so the optimizer is the one users get), runs --steps train
-steps on random batches of the preset's shapes, and in the last one counts, on each rank, the
-bytes of the tensors the engine holds (each storage once, by data_ptr):
+For every profile in ds_profiles/ the process builds the engine, loss and activation
+checkpointing a run gets (`rsclip_ds.trainer.Trainer(run, model=...).build()`; the model is the
+preset with its own vocabulary, as `memory.preset_spec` counts it; the Trainer's loader reads a
+few synthetic shards under --data and is never iterated), runs --steps train steps on random
+batches of the preset's shapes, and in the last one counts, on each rank, the bytes of the
+tensors the engine holds (each storage once, by data_ptr):
 
   parameters  ZeRO-1/2: the optimizer's flat 16-bit buffers `bit16_groups_flat` (the module's
               params are views of them); ZeRO-3: the partitions `p.ds_tensor`. ZeRO-3 also keeps
@@ -47,131 +49,30 @@ far*; profiles run in file order), `torch.cuda.max_memory_allocated` (reset per 
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import resource
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from common import environment, write_report
-from common import max_over_ranks as common_max_over_ranks
+from harness import (base_parser, environment, finish, max_over_ranks, preset_bundle, process_group, pyplot,
+                     rank0_print, save_figure, synthetic_data)
+from memory_counting import measured_step
 from rsclip_ds import memory
 from rsclip_ds.config import load_config
-from rsclip_ds.engine import build_engine, engine_dtype
-from rsclip_ds.losses import build_loss
-from rsclip_ds.model import apply_activation_checkpointing, new_dual_encoder, preset_config
-from rsclip_ds.profiles import (activation_checkpointing_enabled, available_profiles, build_ds_config,
-                                load_profile)
-from rsclip_ds.train import _inputs, train_step
+from rsclip_ds.engine import engine_dtype
+from rsclip_ds.profiles import available_profiles
+from rsclip_ds.train import train_step
+from rsclip_ds.trainer import Trainer
 
 MODEL_TOL, ACT_TOL = 0.10, 0.15
 ROLES = ("params", "grads", "optimizer")
-
-
-# --------------------------------------------------------------------------- counting
-
-class Ledger:
-    """Bytes by (role, place), each storage counted once (the first role that claims it wins:
-    params, then grads, then optimizer, then buckets)."""
-
-    def __init__(self):
-        self.seen: set[int] = set()
-        self.bytes: dict[tuple[str, str], int] = {}
-
-    def add(self, role: str, place: str, tensors) -> None:
-        for t in tensors:
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.numel() == 0:
-                continue
-            storage = t.untyped_storage()
-            if storage.data_ptr() in self.seen or storage.nbytes() == 0:
-                continue
-            self.seen.add(storage.data_ptr())
-            self.bytes[role, place] = self.bytes.get((role, place), 0) + storage.nbytes()
-
-    def get(self, role: str, place: str | None = None) -> int:
-        return sum(v for (r, p), v in self.bytes.items() if r == role and place in (None, p))
-
-
-def _flat(values) -> list:
-    out = []
-    for v in values or []:
-        if isinstance(v, (list, tuple)):
-            out += _flat(v)
-        elif isinstance(v, dict):
-            out += _flat(list(v.values()))
-        elif v is not None:
-            out.append(v)
-    return out
-
-
-def count_params(ledger: Ledger, engine, stage: int, place: str) -> int:
-    """Partitions the engine owns; returns the bytes of ZeRO-3 persistent (gathered) params."""
-    opt = engine.optimizer
-    if stage < 3:
-        ledger.add("params", place, _flat(opt.bit16_groups_flat))
-        return 0
-    params = list(engine.module.parameters())
-    ledger.add("params", place, [p.ds_tensor for p in params])
-    return sum(p.numel() * p.element_size() for p in params if getattr(p, "ds_persist", False))
-
-
-def count_grads(ledger: Ledger, engine, stage: int, place: str) -> None:
-    opt = engine.optimizer
-    if stage < 3:
-        ledger.add("grads", place, [p.grad for p in engine.module.parameters()])
-        ledger.add("grads", place, [getattr(opt, "grads_in_partition", None)])
-        ledger.add("grads", place, _flat(list(getattr(opt, "averaged_gradients", {}).values())))
-        ledger.add("grads", place, [t.grad for t in opt.single_partition_of_fp32_groups])
-    else:
-        ledger.add("grads", place, [opt.grad_partitions_flat_buffer])
-        ledger.add("grads", place, [t.grad for t in opt.fp32_partitioned_groups_flat])
-
-
-def count_optimizer(ledger: Ledger, engine, stage: int, place: str) -> None:
-    opt = engine.optimizer
-    masters = opt.single_partition_of_fp32_groups if stage < 3 else opt.fp32_partitioned_groups_flat
-    ledger.add("optimizer", place, masters)
-    ledger.add("optimizer", place, _flat([dict(s) for s in opt.optimizer.state.values()]))
-
-
-def count_buckets(ledger: Ledger, engine, place: str) -> None:
-    opt = engine.optimizer
-    for bucket in getattr(opt, "ipg_buckets", {}).values():
-        ledger.add("buckets", place, _flat([bucket.buffer]))
-    ledger.add("buckets", place, _flat(getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", [])))
-    for name in ("temp_grad_buffer_for_cpu_offload", "temp_grad_buffer_for_gpu_offload"):
-        ledger.add("buckets", place, [getattr(opt, name, None)])
-
-
-class SavedActivations:
-    """Bytes autograd saves for backward, by storage, minus the parameters' storages (looked up
-    at pack time: ZeRO-3 gathers them into new storages during forward). `window()` starts a new
-    count; the recompute of a checkpointed layer in backward opens one per layer."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-        self.windows: list[dict[int, int]] = [{}]
-
-    def window(self, *_) -> None:
-        self.windows.append({})
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        params = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
-        params |= {p.ds_tensor.untyped_storage().data_ptr() for p in self.module.parameters()
-                   if hasattr(p, "ds_tensor")}
-        if storage.data_ptr() not in params:
-            self.windows[-1][storage.data_ptr()] = storage.nbytes()
-        return t
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
 
 # --------------------------------------------------------------------------- one profile
@@ -183,68 +84,39 @@ def make_batch(config, micro: int, seed: int) -> dict:
             "input_ids": torch.randint(0, config.text_config.vocab_size, (micro, length), generator=g)}
 
 
-def measured_step(engine, batch, loss_fn, dtype, stage: int, places: dict, checkpointing: bool):
-    """train_step split open: count saved activations in forward (and the recompute in
-    backward), gradients between backward and step, parameters and optimizer after step."""
-    # the first submodule of each encoder layer: the layer's own pre-hooks do not fire when
-    # reentrant checkpointing recomputes it in backward, its submodules' do
-    layers = [m.layer_norm1 for tower in (engine.module.vision_model, engine.module.text_model)
-              for m in tower.encoder.layers]
-    saved = SavedActivations(engine.module)
-    with saved.hooks():
-        image, text, logit_scale, logit_bias = engine(*_inputs(engine, batch, dtype))   # (B,D) x2
-        forward = sum(saved.windows[0].values())
-        saved.window()   # the loss's own saved tensors are not activations of the towers
-        loss = loss_fn(image, text, logit_scale, logit_bias)
-        handles = [m.register_forward_pre_hook(saved.window) for m in layers] if checkpointing else []
-        try:
-            engine.backward(loss)
-        finally:
-            for h in handles:
-                h.remove()
-    recompute = max((sum(w.values()) for w in saved.windows[2:]), default=0)
-    ledger = Ledger()
-    count_params(ledger, engine, stage, places["params"])   # claim param storages before grads
-    count_grads(ledger, engine, stage, places["grads"])
-    grads = {place: ledger.get("grads", place) for place in ("gpu", "cpu")}
-    engine.step()
-    ledger = Ledger()
-    persistent = count_params(ledger, engine, stage, places["params"])
-    count_optimizer(ledger, engine, stage, places["optimizer"])
-    count_buckets(ledger, engine, places["optimizer"] if stage < 3 else "gpu")
-    held = {(role, place): ledger.get(role, place) for role in ("params", "optimizer", "buckets")
-            for place in ("gpu", "cpu")}
-    held.update({("grads", place): b for place, b in grads.items()})
-    return held, persistent, forward + recompute, {"forward": forward, "largest_recompute": recompute}
-
-
-def run_profile(name: str, args, rank: int, world: int, on_gpu: bool) -> dict:
-    prof = load_profile(name)
-    run = load_config(None, [f"precision={args.precision}", f"batch.micro_batch_size={args.micro}",
-                             f"steps={args.steps + 1}", "optim.warmup_steps=0"])
-    ds_config = build_ds_config(run, prof, world, on_gpu=on_gpu)
-    config = preset_config(args.preset)
-    checkpointing = activation_checkpointing_enabled(run, prof)
-    model = new_dual_encoder(config, "siglip", seed=0)
-    if checkpointing:
-        apply_activation_checkpointing(model)
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats()
-    engine = build_engine(model, ds_config)
-    dtype = engine_dtype(engine)
-    loss_fn = build_loss("siglip", negatives="global", rank=rank, world_size=world)
-    places = {"params": "cpu" if prof.offload_param else "gpu",
-              "grads": "cpu" if prof.offload_optimizer else "gpu",
-              "optimizer": "cpu" if prof.offload_optimizer else "gpu"}
-    times = []
-    for step in range(args.steps):
-        batch = make_batch(config, args.micro, seed=100 * step + rank)
-        dist.barrier()
-        t0 = time.perf_counter()
-        train_step(engine, batch, loss_fn, dtype)
-        times.append(time.perf_counter() - t0)
-    held, persistent, act, act_parts = measured_step(engine, make_batch(config, args.micro, 99 + rank),
-                                                     loss_fn, dtype, prof.stage, places, checkpointing)
+def run_profile(name: str, args, data: dict, on_gpu: bool) -> dict:
+    """One profile: the engine, loss and profile a run gets (`Trainer.build`, the preset's own
+    vocabulary through the `model=` seam), --steps train steps on random batches, then the
+    counted step."""
+    world = dist.get_world_size()
+    with tempfile.TemporaryDirectory() as out_dir:
+        run = load_config(None, [f"profile={name}", f"precision={args.precision}", f"model.preset={args.preset}",
+                                 f"batch.micro_batch_size={args.micro}", f"steps={args.steps + 1}",
+                                 "optim.warmup_steps=0", f"data.train_shards={data['train_pattern']}",
+                                 "data.num_workers=0", f"output_dir={out_dir}", "checkpoint.at_end=false"])
+        bundle = preset_bundle(args.preset, data["tokenizer"])
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        with Trainer(run, model=bundle) as trainer:
+            parts = trainer.build()
+            engine, prof, config, rank = parts.engine, trainer.profile, bundle.model.config, trainer.info.rank
+            dtype = engine_dtype(engine)
+            places = {"params": "cpu" if prof.offload_param else "gpu",
+                      "grads": "cpu" if prof.offload_optimizer else "gpu",
+                      "optimizer": "cpu" if prof.offload_optimizer else "gpu"}
+            times = []
+            for step in range(args.steps):
+                batch = make_batch(config, args.micro, seed=100 * step + rank)
+                dist.barrier()
+                t0 = time.perf_counter()
+                train_step(engine, batch, parts.loss_fn, dtype)
+                times.append(time.perf_counter() - t0)
+            held, persistent, act, act_parts = measured_step(engine, make_batch(config, args.micro, 99 + rank),
+                                                             parts.loss_fn, dtype, prof.stage, places,
+                                                             parts.activation_checkpointing)
+            checkpointing = parts.activation_checkpointing
+        del trainer, parts, engine, bundle   # the next profile starts without this one's engine
+    gc.collect()
     peak = torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     spec = memory.preset_spec(args.preset)
     per_node = min(world, int(os.environ.get("LOCAL_SIZE", world)))
@@ -252,8 +124,6 @@ def run_profile(name: str, args, rank: int, world: int, on_gpu: bool) -> dict:
                                       prof.offload_param, args.precision, world, per_node,
                                       prof.strategy.get("zero_optimization"))
     act_pred = sum(memory.activation_bytes_per_sample(config, args.precision, checkpointing).values()) * args.micro
-    del engine, model
-    gc.collect()
     return compare(name, prof, spec, states, held, persistent, act, act_pred, act_parts, peak,
                    statistics.median(times[1:] or times), per_node, checkpointing)
 
@@ -291,12 +161,17 @@ def compare(name, prof, spec, states, held, persistent, act, act_pred, act_parts
     return row
 
 
-def max_over_ranks(row: dict) -> dict:
-    """Byte counts and times: the largest rank's (partitions differ by padding only)."""
-    keys = [("gpu", "measured"), ("offload", "measured"), ("activations", "measured")]
-    vals = [float(row[a][b]) for a, b in keys] + [float(row["peak_bytes"]), row["step_seconds"]] + \
-        [float(v) for v in row["measured"].values()]
-    return common_max_over_ranks(vals)
+def reduce_over_ranks(row: dict) -> None:
+    """Byte counts and times in `row` become the largest rank's (partitions differ by padding
+    only), and the ratios are taken again from them."""
+    keys = ("gpu", "offload", "activations")
+    flat = max_over_ranks([float(row[k]["measured"]) for k in keys] + [float(row["peak_bytes"]), row["step_seconds"]]
+                          + [float(v) for v in row["measured"].values()])
+    for k, v in zip(keys, flat):
+        row[k]["measured"] = int(v)
+        row[k]["ratio"] = _ratio(row[k]["measured"], row[k]["predicted"])
+    row["peak_bytes"], row["step_seconds"] = int(flat[3]), flat[4]
+    row["measured"] = dict(zip(row["measured"], map(int, flat[5:])))
 
 
 # --------------------------------------------------------------------------- report
@@ -325,14 +200,9 @@ def print_table(report: dict) -> None:
 
 
 def plot(report: dict, path: Path) -> str | None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("note: matplotlib is not installed (pip install rsclip_ds[bench]); wrote the JSON only")
+    plt = pyplot()
+    if plt is None:
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = report["profiles"]
     names = [r["profile"] for r in rows]
     x = range(len(rows))
@@ -354,72 +224,54 @@ def plot(report: dict, path: Path) -> str | None:
     cfg, env = report["config"], report["environment"]
     fig.suptitle(f"{cfg['preset']} {cfg['precision']}, micro {cfg['micro']}, {env['world_size']} ranks "
                  f"({env['device']}); label = measured / predicted")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save_figure(plt, fig, path)
 
 
 # --------------------------------------------------------------------------- entry point
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="JSON path; the PNG goes beside it")
+    parser = base_parser(__doc__)
     parser.add_argument("--preset", default="tiny", help="model preset (rsclip_ds.model.PRESETS)")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--micro", type=int, default=4, help="samples per rank per micro-batch")
     parser.add_argument("--steps", type=int, default=3, help="train steps before the measured one")
     parser.add_argument("--profiles", nargs="*", default=None, help="default: every ds_profiles/*.json")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
+    parser.add_argument("--data", type=Path, default=Path("runs/bench_data"),
+                        help="where the Trainer's (unread) synthetic shards are written, reused when present")
     return parser.parse_args(argv)
+
+
+COMPARED = {"gpu": "accelerator-role params + grads (before step) + optimizer vs StateBytes.gpu",
+            "offload": "offloaded-role bytes vs StateBytes.cpu_node / gpus per node "
+                       "(only when that is the offloaded-states branch)",
+            "activations": "saved-for-backward bytes of one micro-batch (towers, no loss, "
+                           "no parameters) vs activation_bytes_per_sample x micro",
+            "not_compared": "buckets_*, persistent_gathered_bytes (ZeRO-3 params under "
+                            "stage3_param_persistence_threshold), peak_bytes, step_seconds"}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import logging
-
-    from rsclip_ds.distributed import destroy_distributed, init_distributed
-
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    torch.set_num_threads(args.threads)   # 2 ranks on 2 cores: 1 thread each, no oversubscription
-    info = init_distributed()
-    try:
-        rank, world = info.rank, info.world_size
+    with process_group(args.threads) as info:
         t0 = time.perf_counter()
+        # 16 shards: enough for 16 ranks; the Trainer builds a loader, the benchmark never reads it
+        data = synthetic_data(args.data, info.rank, num_train=128, num_val=8, shard_size=8)
         rows = []
         for name in args.profiles or available_profiles():
-            row = run_profile(name, args, rank, world, info.on_gpu)
-            flat = max_over_ranks(row)
-            row["gpu"]["measured"], row["offload"]["measured"], row["activations"]["measured"] = map(int, flat[:3])
-            row["peak_bytes"], row["step_seconds"] = int(flat[3]), flat[4]
-            row["measured"] = dict(zip(row["measured"], map(int, flat[5:])))
-            for key in ("gpu", "offload", "activations"):
-                row[key]["ratio"] = _ratio(row[key]["measured"], row[key]["predicted"])
+            row = run_profile(name, args, data, info.on_gpu)
+            reduce_over_ranks(row)
             rows.append(row)
-            if rank == 0:
-                print(f"{name}: gpu {row['gpu']['ratio']:.3f} offload {row['offload']['ratio']:.3f} "
-                      f"activations {row['activations']['ratio']:.3f}", flush=True)
+            rank0_print(info.rank)(f"{name}: gpu {row['gpu']['ratio']:.3f} offload {row['offload']['ratio']:.3f} "
+                                   f"activations {row['activations']['ratio']:.3f}")
         spec = memory.preset_spec(args.preset)
         report = {"config": {"preset": args.preset, "precision": args.precision, "micro": args.micro,
                              "steps": args.steps, "parameters": spec.params, "largest_layer": spec.largest_layer,
                              "model_tolerance": MODEL_TOL, "activation_tolerance": ACT_TOL},
-                  "environment": environment(world, args.threads),
-                  "compared": {"gpu": "accelerator-role params + grads (before step) + optimizer vs StateBytes.gpu",
-                               "offload": "offloaded-role bytes vs StateBytes.cpu_node / gpus per node "
-                                          "(only when that is the offloaded-states branch)",
-                               "activations": "saved-for-backward bytes of one micro-batch (towers, no loss, "
-                                              "no parameters) vs activation_bytes_per_sample x micro",
-                               "not_compared": "buckets_*, persistent_gathered_bytes (ZeRO-3 params under "
-                                               "stage3_param_persistence_threshold), peak_bytes, step_seconds"},
+                  "environment": environment(args.threads), "compared": COMPARED,
                   "profiles": rows, "seconds": time.perf_counter() - t0}
         report["all_pass"] = all(r["model_states_pass"] and r["activations_pass"] for r in rows)
-        if rank == 0:
-            write_report(report, args.out, plot, print_table)
-            print(f"wrote {args.out} in {report['seconds']:.0f}s; all within target: {report['all_pass']}")
-        dist.barrier()
-    finally:
-        destroy_distributed()
+        finish(report, args.out, info.rank, print_table, plot)
+        rank0_print(info.rank)(f"wrote {args.out} in {report['seconds']:.0f}s; all within target: {report['all_pass']}")
     return 0
 
 

@@ -1,34 +1,36 @@
-"""benchmarks/loader.py at a tiny size (~20 s): it runs by path, measures both worker counts
-against both bare loops in alternation, and writes the JSON the README quotes."""
+"""benchmarks/loader.py at a tiny size (~10 s): it runs by path, measures both worker counts
+against both bare loops in alternation, and writes the JSON the README quotes. The rates are
+timing, so the assertions are floors that only a gross regression breaks."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.integration.conftest import ROOT, launch_env
+from tests.integration.benchmark_helpers import run_benchmark
 
 pytestmark = pytest.mark.slow
+REPEATS = 2
 
 
-def test_loader_benchmark_writes_its_report(tmp_path):
-    out = tmp_path / "loader.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "loader.py"), "--out", str(out), "--num-images", "64",
-           "--shard-size", "16", "--micro", "8", "--samples", "64", "--repeats", "2", "--workers", "1", "2"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    report = json.loads(out.read_text())
-    assert report["target_ratio"] == 0.9
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("loader") / "loader.json"
+    return run_benchmark("loader.py", "--num-images", "64", "--shard-size", "16", "--micro", "8", "--samples", "64",
+                         "--repeats", str(REPEATS), "--workers", "1", "2", out=out, ranks=None, timeout=300)
+
+
+def test_measured_every_worker_count_in_alternation(report):
     assert report["setup"]["num_images"] == 64 and report["setup"]["source_px"] == 256
     assert [r["workers"] for r in report["results"]] == [1, 2]
     for row in report["results"]:
-        assert len(row["loader_per_worker"]) == len(row["bare_per_process"]) == 2
-        assert row["ratios"] == [a / b for a, b in zip(row["loader_per_worker"], row["bare_per_process"])]
-        assert all(v > 0 for v in row["loader_per_worker"] + row["bare_per_process"]
-                   + row["bare_to_tensor_per_process"])
-        assert row["pass"] == (row["ratio_median"] >= 0.9)
-        assert len(row["ratios_cpu"]) == 2 and row["ratio_cpu_median"] > 0
-    assert "loader vs bare PIL decode+resize" in proc.stdout
+        for key in ("loader_per_worker", "bare_per_process", "bare_to_tensor_per_process",
+                    "loader_per_cpu_second", "bare_per_cpu_second"):
+            assert len(row[key]) == REPEATS and all(v > 0 for v in row[key]), (key, row[key])
+
+
+def test_the_loader_is_within_reach_of_a_bare_decode(report):
+    """Per CPU-second (steadier than wall time on a shared machine) the loader, which also
+    shuffles, tokenises and normalises, made ~0.5 of the bare decode+resize at this size when
+    written; under 0.2 it would have lost most of its speed (e.g. decoding at full size)."""
+    for row in report["results"]:
+        assert row["ratio_cpu_median"] > 0.2, row

@@ -1,88 +1,108 @@
 """benchmarks/throughput.py --tiny on 2 CPU ranks, launched the way users launch it.
 
-One launch (~2 minutes on 2 busy cores: five loops, each with its own engine, loader and
-workers, then the loader alone, three profiled runs and two quality runs). No timing assertions
-(the machine is shared); the assertions are on what the loops did: every loop pushed the same
-samples through the model, the proposed fix changes no number, the quality rows are recalls.
+One launch (under a minute on 2 idle cores: four loops, each with its own engine, loader and
+workers, then the loader alone, the checkpointed run, three profiled runs and two quality runs).
+No timing assertions (the machine is shared); the assertions are on what the loops did, from
+the instruments on them: the samples each model's forward saw, the per-step losses (the same
+model, seed and data must give the same first loss in every loop with the same loss), the
+time spent waiting for batches, and the code cProfile found.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
+import math
 
 import pytest
 
-from tests.integration.conftest import ROOT, deepspeed_cmd, free_port, launch_env
+from tests.integration.benchmark_helpers import run_benchmark
 
 pytestmark = pytest.mark.slow
-BENCH = ROOT / "benchmarks" / "throughput.py"
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("bench")
-    out = tmp / "throughput.json"
-    cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port()), str(BENCH),
-                             "--tiny", "--data", str(tmp / "data"), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=420)
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)}\nexit {proc.returncode}\n--- output tail ---\n"
-                    f"{(proc.stdout + proc.stderr)[-6000:]}")
-    return json.loads(out.read_text())
+    return run_benchmark("throughput.py", "--tiny", "--data", str(tmp / "data"), out=tmp / "throughput.json",
+                         timeout=420)
+
+
+def _run(report: dict, loop: str, repeat: int = 0) -> dict:
+    return next(r for r in report["runs"] if r["loop"] == loop and r["repeat"] == repeat)
 
 
 def test_every_loop_ran_on_two_ranks(report):
     assert report["environment"]["world_size"] == 2
     loops = report["config"]["loops"]
-    assert {"ours", "bare", "ours_local", "ours_fix"} <= set(loops)
     try:
         import accelerate  # noqa: F401
-        assert "trainer" in loops
+        assert loops == ["ours", "bare", "trainer", "ours_local"]
     except ImportError:
-        assert "trainer" not in loops and any("pip install accelerate" in n for n in report["notes"])
+        assert loops == ["ours", "bare", "ours_local"] and any("pip install accelerate" in n for n in report["notes"])
     assert [r["loop"] for r in report["runs"]] == loops * report["config"]["repeats"]
 
 
-def test_all_loops_processed_the_same_samples(report):
+def test_every_forward_saw_steps_x_micro_x_world_samples(report):
+    """Counted by a forward-pre-hook on each loop's model, summed over ranks: no loop skipped
+    or repeated a batch, and the Trainer's hook reached the model the engine runs."""
     cfg = report["config"]
-    expected = cfg["micro"] * report["environment"]["world_size"] * cfg["steps"]
-    assert {r["samples"] for r in report["runs"]} == {expected}
-    for name, row in report["summary"]["loops"].items():
-        assert row["samples_per_run"] == [expected], name
-        assert row["median_samples_per_s"] > 0
+    expected = cfg["steps"] * cfg["micro"] * report["environment"]["world_size"]
+    assert {r["loop"]: r["samples"] for r in report["runs"]} == {loop: expected for loop in cfg["loops"]}
 
 
-def test_ratios_are_paired_per_repeat(report):
-    ratios = report["summary"]["ratios"]
-    runs = {(r["repeat"], r["loop"]): r for r in report["runs"]}
-    ours_bare = ratios["ours/bare"]["per_repeat"]
-    assert len(ours_bare) == report["config"]["repeats"]
-    assert ours_bare[0] == pytest.approx(runs[0, "ours"]["samples_per_s"] / runs[0, "bare"]["samples_per_s"])
+def test_losses_are_finite_every_step(report):
+    for r in report["runs"]:
+        assert len(r["losses"]) == report["config"]["steps"], r
+        assert all(math.isfinite(v) for v in r["losses"]), r
 
 
-def test_the_fix_changes_no_number(report):
-    """ours_fix only syncs less often: same data, same steps, same final loss."""
-    runs = {(r["repeat"], r["loop"]): r for r in report["runs"]}
-    for repeat in range(report["config"]["repeats"]):
-        assert runs[repeat, "ours_fix"]["final_loss"] == pytest.approx(runs[repeat, "ours"]["final_loss"], rel=1e-6)
+def test_same_model_seed_and_data_give_the_same_first_loss(report):
+    """The Trainer's run and the hand-wired DeepSpeed loop build the same model (seed 0) and
+    loader (same seed), so their first losses (before any update) agree to float precision;
+    likewise ours_local and the HF Trainer, which both compute the per-rank loss."""
+    ours, bare = _run(report, "ours"), _run(report, "bare")
+    assert ours["losses"][0] == pytest.approx(bare["losses"][0], rel=1e-6), (ours["losses"], bare["losses"])
+    if "trainer" in report["config"]["loops"]:
+        local, hf = _run(report, "ours_local"), _run(report, "trainer")
+        assert local["losses"][0] == pytest.approx(hf["losses"][0], rel=1e-6), (local["losses"], hf["losses"])
 
 
-def test_loader_and_python_time(report):
-    assert report["loader"]["samples_per_s"] > 0
-    assert report["loader"]["headroom_over_ours"] > 0
+def test_global_negatives_add_to_the_loss(report):
+    """SigLIP's loss adds a positive term per negative pair; on the same first batch the
+    global form sees W x the local form's negatives, so its loss is strictly larger."""
+    assert _run(report, "ours")["losses"][0] > _run(report, "ours_local")["losses"][0]
+
+
+def test_loops_waited_for_data_and_the_profiler_found_our_code(report):
+    """next(batch) is timed through the Trainer's wrap_loader seam in ours, directly in the
+    others: every loop waited some time. cProfile's self time of ours lands in rsclip_ds's
+    train loop, and every loop spends some in the loader's main-process code (rsclip_ds/data/)."""
+    for r in report["runs"]:
+        assert 0 < r["data_wait_s"] < r["elapsed_s"], r
     by = {p["loop"]: p for p in report["python_self_time"]}
     assert {"ours", "bare"} <= set(by)
-    assert all(p["self_ms_per_step"] >= 0 and p["loader_main_process_ms_per_step"] >= 0 for p in by.values())
+    assert by["ours"]["self_ms_per_step"] > 0
+    assert any(f["function"].startswith("rsclip_ds/train.py:") for f in by["ours"]["top"]), by["ours"]["top"]
+    for p in by.values():
+        assert p["loader_main_process_ms_per_step"] > 0, p
+
+
+def test_loader_alone_and_the_checkpointed_run(report):
+    assert report["loader"]["samples_per_s"] > 0
     c = report["summary_rate_with_final_checkpoint"]
-    assert c["step_hook_samples_per_s"] > 0 and c["summary_samples_per_s"] > 0
+    assert c["checkpoints"] == [f"step{report['config']['steps']:08d}"]   # the end-of-run save happened
+    assert c["summary_samples_per_s"] > 0
 
 
-def test_quality_rows_are_recalls(report):
+def test_quality_runs_repeat_the_timed_runs(report):
+    """--tiny trains the quality runs for as many steps as the timed runs, with the same
+    settings: the runs are deterministic, so their final losses are the timed runs' own."""
+    cfg = report["config"]
+    assert cfg["quality_steps"] == cfg["steps"]
     rows = {r["negatives"]: r for r in report["quality"]}
-    assert set(rows) == {"global", "local"}
+    assert rows["global"]["final_train_loss"] == pytest.approx(_run(report, "ours")["final_loss"], rel=1e-6)
+    assert rows["local"]["final_train_loss"] == pytest.approx(_run(report, "ours_local")["final_loss"], rel=1e-6)
     for r in rows.values():
-        assert r["num_images"] == report["config"]["num_val"]
+        assert r["num_images"] == cfg["num_val"]
         for key in ("i2t_R@1", "t2i_R@1", "mean_recall"):
             assert 0.0 <= r[key] <= 1.0
-        assert r["i2t_R@5"] >= r["i2t_R@1"]
+        assert r["i2t_R@5"] >= r["i2t_R@1"] and r["t2i_R@5"] >= r["t2i_R@1"]

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -68,8 +66,7 @@ if __name__ == "__main__":
 
 
 from rsclip_ds.cli import main   # noqa: E402
-from tests.integration.conftest import (DEMO_CONFIG, ROOT, deepspeed_cmd, free_port, launch_env,  # noqa: E402
-                                        run_checked, train_args)
+from tests.integration.helpers import DEMO_CONFIG, deepspeed_cmd, free_port, run_checked, train_args  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,6 @@ interrupted-and-resumed run must reproduce its losses bit for bit and its final 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -21,27 +20,15 @@ import torch
 
 from rsclip_ds.checkpoint import (META, POINTER, consolidated_state_dict, read_pointer,
                                   resolve_checkpoint)
-from tests.integration.conftest import ROOT, deepspeed_cmd, free_port, launch_env, train_args
+from tests.integration.helpers import (CHECKPOINT_RUN, ROOT, deepspeed_cmd, free_port, launch_env, launch_run,
+                                     summary, train_args)
 
 pytestmark = pytest.mark.slow
-RUN = ["profile=zero2", "steps=8", "optim.warmup_steps=2", "logging.log_every=2", "checkpoint.every=4"]
-
-
-def launch_run(data: dict, out: Path, *overrides: str, timeout: int = 300,
-               extra: list[str] = ()) -> subprocess.CompletedProcess:
-    """One `deepspeed --num_gpus 2` run; returns the finished process (any exit code)."""
-    cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port())]
-    cmd += train_args(data, out, RUN + list(overrides)) + list(extra)
-    return subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return proc
-
-
-def summary(out: Path) -> dict:
-    return json.loads((out / "summary.json").read_text())
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -130,7 +117,7 @@ def test_frozen_rank_is_detected_by_the_heartbeat_within_the_peer_timeout(launch
     for node_rank in (0, 1):
         cmd = deepspeed_cmd() + ["--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node_rank),
                                  "--master_addr", "127.0.0.1", "--master_port", str(port)]
-        cmd += train_args(launch_data, out, RUN + sets)
+        cmd += train_args(launch_data, out, CHECKPOINT_RUN + sets)
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, start_new_session=True))
     try:

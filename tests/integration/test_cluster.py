@@ -12,7 +12,7 @@ import pytest
 from rsclip_ds.data.synthetic import make_synthetic
 from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
 
-from .conftest import BASE_OVERRIDES, ROOT, deepspeed_cmd, free_port, run_checked
+from tests.integration.helpers import BASE_OVERRIDES, ROOT, deepspeed_cmd, free_port, run_checked
 
 pytestmark = pytest.mark.slow
 STEPS = 6

@@ -5,9 +5,7 @@ the bad-fraction threshold stopping a run with the error that names the key."""
 
 from __future__ import annotations
 
-import io
 import itertools
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,7 +16,7 @@ from rsclip_ds.config import DataConfig
 from rsclip_ds.data import StreamCounter, build_train_loader, read_shard
 from rsclip_ds.data.synthetic import make_synthetic
 from rsclip_ds.model import load_tokenizer
-from tests.integration.conftest import ROOT, deepspeed_cmd, free_port, launch_env, run_checked, train_args
+from tests.integration.helpers import ROOT, deepspeed_cmd, free_port, launch_env, run_checked, train_args
 
 pytestmark = pytest.mark.slow
 MICRO, STEPS = 16, 20

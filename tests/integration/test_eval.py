@@ -19,7 +19,7 @@ from rsclip_ds.model import build_model
 from rsclip_ds.data.synthetic import make_synthetic
 from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
 
-from .conftest import ROOT, deepspeed_cmd, free_port, run_checked
+from tests.integration.helpers import ROOT, deepspeed_cmd, free_port, run_checked
 
 pytestmark = pytest.mark.slow
 NUM_VAL = 128

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rsclip_ds.checkpoint import META, consolidated_state_dict, read_pointer, tag_for
-from tests.integration.conftest import ROOT, deepspeed_cmd, free_port, launch_env, train_args
-from tests.integration.test_checkpoint_resume import RUN, launch_run, summary
+from tests.integration.helpers import (CHECKPOINT_RUN, ROOT, deepspeed_cmd, free_port, launch_env, launch_run,
+                                     summary, train_args)
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +30,8 @@ def test_sigterm_saves_on_every_rank_and_exits_75(launch_data, tmp_path):
     agree on it through the sync-point all-reduce, save the same step, and exit with 75."""
     out = tmp_path / "run"
     cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port())]
-    cmd += train_args(launch_data, out, RUN + ["steps=400", "checkpoint.every=0", "faults.stop_check_every=1"])
+    cmd += train_args(launch_data, out,
+                      CHECKPOINT_RUN + ["steps=400", "checkpoint.every=0", "faults.stop_check_every=1"])
     proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines, deadline = [], time.monotonic() + 300

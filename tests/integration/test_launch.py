@@ -13,35 +13,43 @@ import subprocess
 import pytest
 import torch
 
-from tests.integration.conftest import (DEMO_CONFIG, ROOT, deepspeed_cmd, free_port, launch_env,
-                                        run_checked, train_args)
+from tests.integration.helpers import (ROOT, deepspeed_cmd, free_port, launch_env, launch_summary, run_checked,
+                                     train_args)
 
 pytestmark = pytest.mark.slow
 PROFILES = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
 # SigLIP starts near 9.3 here (b = -10 makes every positive pair cost ~10). After 30 steps of
 # micro 16 x 2 ranks the tiny model is below 6 on every profile; we require a drop of 2.5.
 MIN_LOSS_DROP = 2.5
-_results: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def profile_run(launch_data, tmp_path_factory):
+    """profile_run(profile) -> summary of its 30-step run. Each profile is launched once per
+    module, by the first test that asks for it, and shared with the tests that ask later."""
+    root, runs = tmp_path_factory.mktemp("profiles"), {}
+
+    def _run(profile: str) -> dict:
+        if profile not in runs:
+            runs[profile] = launch_summary(launch_data, root / profile, [f"profile={profile}"])
+        return runs[profile]
+    return _run
 
 
 @pytest.mark.parametrize("profile", PROFILES)
-def test_profile_trains_and_loss_falls(launch, profile):
-    s = launch(f"profile={profile}", name=profile)
-    _results[profile] = s
+def test_profile_trains_and_loss_falls(profile_run, profile):
+    s = profile_run(profile)
     assert s["profile"] == profile and s["world_size"] == 2
     assert s["optimizer_steps"] == 30 and s["global_batch"] == 32
     assert s["loss_start"] - s["loss_end"] >= MIN_LOSS_DROP, s["losses"]
     assert s["activation_checkpointing"] is (profile == "zero3_offload")
 
 
-def test_fp32_losses_match_across_zero_stages():
+def test_fp32_losses_match_across_zero_stages(profile_run):
     """Same seed, same data: ZeRO 1/2/3 (with and without offload) are the same optimisation."""
-    missing = [p for p in PROFILES if p not in _results]
-    if missing:
-        pytest.skip(f"needs the profile runs first (missing {missing})")
-    ref = torch.tensor(_results["zero1"]["losses"][:10])
+    ref = torch.tensor(profile_run("zero1")["losses"][:10])
     for profile in PROFILES[1:]:
-        got = torch.tensor(_results[profile]["losses"][:10])
+        got = torch.tensor(profile_run(profile)["losses"][:10])
         assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4), (profile, got, ref)
 
 

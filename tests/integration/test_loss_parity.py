@@ -17,7 +17,7 @@ import json
 
 import pytest
 
-from tests.integration.conftest import ROOT, deepspeed_cmd, free_port, run_checked
+from tests.integration.helpers import ROOT, deepspeed_cmd, free_port, run_checked
 
 pytestmark = pytest.mark.slow
 ATOL = 2e-5

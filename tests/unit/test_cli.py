@@ -1,10 +1,13 @@
 """The CLI fails before any process group starts, with the key and the fix in the message."""
 
 import json
+import re
 
 import pytest
+from transformers import AutoTokenizer
 
 from rsclip_ds.cli import strip_local_rank, main
+from rsclip_ds.data.tokenizer import iter_captions, tokenize
 
 
 def test_launcher_local_rank_is_accepted_anywhere():
@@ -38,9 +41,19 @@ def test_make_synthetic_and_train_tokenizer_commands(tmp_path, capsys):
                  "--shard-size", "16", "--image-size", "32"]) == 0
     assert sorted(p.name for p in (tmp_path / "d").glob("*.tar")) == [
         "train-000000.tar", "train-000001.tar", "val-000000.tar"]
+    captions = list(iter_captions([str(tmp_path / "d" / f"train-00000{i}.tar") for i in (0, 1)]))
+    assert len(captions) == 32   # --num-train samples, each with a caption
     assert main(["train-tokenizer", "--shards", str(tmp_path / "d" / "train-{000000..000001}.tar"),
-                 "--out", str(tmp_path / "tok"), "--vocab-size", "200"]) == 0
-    assert (tmp_path / "tok" / "tokenizer.json").is_file()
+                 "--out", str(tmp_path / "tok"), "--vocab-size", "200", "--max-length", "48"]) == 0
+    # the folder reloads offline with the asked size and length and covers the captions' words
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    assert len(tok) <= 200 and tok.model_max_length == 48
+    assert f"tokenizer with {len(tok)} tokens written to" in capsys.readouterr().out
+    ids = tokenize(tok, captions, max_length=48)   # (32, 48)
+    assert (ids != tok.unk_token_id).all()
+    for row, caption in zip(ids, captions):
+        words = re.findall(r"[a-z]+", caption.lower())
+        assert re.findall(r"[a-z]+", tok.decode(row, skip_special_tokens=True)) == words
 
 
 def test_show_config_and_profiles_print_tables(capsys):

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from rsclip_ds.config import DataConfig
 from rsclip_ds.data import DataError, EpochSchedule, build_train_loader, expand_urls
+from tests.helpers import wait_for
 
 B = 8  # micro-batch; tiny_shards has 8 train shards of 8 samples
 
@@ -145,45 +150,52 @@ def test_wrong_member_key_names_the_setting(index):
 
 
 def _children(pid: int) -> list[int]:
-    from pathlib import Path
-
     return [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
             for c in (t / "children").read_text().split()]
 
 
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has a handler installed for SIGTERM (the SigCgt mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
+def _started_workers(index) -> tuple[Iterator[dict], dict, list[int]]:
+    """A 2-worker loader's iterator, its first batch, and the workers' pids, both workers past
+    worker_init_fn (batch i comes from worker i % 2, so two batches mean both have started)."""
+    it = iter(_loader(index, num_workers=2))
+    first, _ = next(it), next(it)
+    workers = _children(os.getpid())
+    assert len(workers) == 2
+    assert all(_catches_sigterm(pid) for pid in workers)   # the first-SIGTERM handler is installed
+    return it, first, workers
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task"), reason="needs /proc")
 def test_workers_survive_sigterm_so_the_rank_can_save(index):
     """The launcher / a scheduler SIGTERMs a rank's whole process tree; the rank saves a
     checkpoint and exits 75, which needs its loader workers to keep delivering meanwhile."""
-    import os
-    import signal
-
-    if not os.path.exists(f"/proc/{os.getpid()}/task"):
-        pytest.skip("needs /proc")
-    loader = _loader(index, num_workers=2)
-    it = iter(loader)
-    first, _ = next(it), next(it)   # batch i comes from worker i % 2: both have started
-    workers = _children(os.getpid())
-    assert len(workers) == 2
+    it, first, workers = _started_workers(index)
     for pid in workers:
         os.kill(pid, signal.SIGTERM)
+    # the handler resets SIGTERM to the default once it has run: only then has the signal landed
+    for pid in workers:
+        wait_for(lambda pid=pid: not _catches_sigterm(pid), f"worker {pid} to handle the SIGTERM")
     later = [next(it) for _ in range(3)]   # raised "DataLoader worker ... killed by signal" before
     assert all(b["pixel_values"].shape == first["pixel_values"].shape for b in later)
 
 
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task"), reason="needs /proc")
 def test_a_second_sigterm_still_ends_a_worker(index):
     """terminate() at shutdown must work: only the first SIGTERM is absorbed."""
-    import os
-    import signal
-    import time
-
-    if not os.path.exists(f"/proc/{os.getpid()}/task"):
-        pytest.skip("needs /proc")
-    it = iter(_loader(index, num_workers=2))
-    next(it), next(it)
-    pid = _children(os.getpid())[0]
-    # torch's SIGCHLD handler reports the worker's death in the main process
+    it, _, workers = _started_workers(index)   # keep `it`: dropping it shuts the workers down
+    pid = workers[0]
     with pytest.raises(RuntimeError, match=f"pid {pid}.*killed by signal: Terminated"):
         os.kill(pid, signal.SIGTERM)
-        time.sleep(0.5)
+        # a second SIGTERM sent while the first is still pending would merge with it
+        wait_for(lambda: not _catches_sigterm(pid), f"worker {pid} to handle the first SIGTERM")
         os.kill(pid, signal.SIGTERM)
-        time.sleep(10)
+        # torch's SIGCHLD handler raises the error in this thread, out of the wait, once the
+        # worker is dead; the condition itself never becomes true
+        wait_for(lambda: False, "the DataLoader to report the killed worker")

@@ -1,5 +1,8 @@
+import io
 import json
 import logging
+
+from rich.console import Console
 
 from rsclip_ds.config import load_config
 from rsclip_ds.profiles import derive_batch, load_profile
@@ -19,13 +22,32 @@ def test_plain_progress_logs_loss_lr_rate_and_loss_scale(caplog):
     assert "loss_scale" not in lines[1]
 
 
-def test_rich_progress_and_disabled_reporter_run(caplog):
+def test_rich_progress_renders_step_and_metrics_and_logs_nothing(caplog):
+    caplog.set_level(logging.INFO, logger="rsclip_ds")
     rep = ProgressReporter(3, mode="rich")
-    rep.update(3, {"loss": 1.0})
+    bar = rep._bar   # the rich Progress; close() drops the reference
+    assert bar is not None and bar.live.is_started
+    rep.update(2, {"loss": 1.5, "lr": 1e-3, "loss_scale": None})
     rep.close()
+    assert not bar.live.is_started and rep._bar is None
+    (task,) = bar.tasks
+    assert (task.completed, task.total, task.fields["metrics"]) == (2, 3, "loss 1.5  lr 0.001")
+    # the row the bar draws: label, completed/total and the metrics text
+    console = Console(file=io.StringIO(), width=120, record=True, color_system=None)
+    console.print(bar.make_tasks_table(bar.tasks))
+    row = console.export_text()
+    assert "train" in row and "2/3" in row and "loss 1.5  lr 0.001" in row, row
+    assert not caplog.records   # a live bar replaces the log lines
+
+
+def test_disabled_reporter_logs_nothing(caplog):
+    caplog.set_level(logging.INFO, logger="rsclip_ds")
     silent = ProgressReporter(3, mode="plain", enabled=False)
     silent.update(3, {"loss": 1.0})
-    assert not caplog.records
+    silent.close()
+    assert not caplog.records and silent._bar is None
+    ProgressReporter(3, mode="plain").update(3, {"loss": 1.0})   # control: enabled, it logs here
+    assert [r.getMessage().split("  (")[0] for r in caplog.records] == ["step 3/3  loss 1"]
 
 
 def test_summary_has_the_batch_arithmetic_and_loss_window(tmp_path, capsys):

@@ -1,0 +1,82 @@
+"""Helpers for the launch tests: the command line of a `deepspeed` run on CPU ranks and its
+environment. Import them from here (`from tests.integration.helpers import ...`), never from a
+test file; the fixtures that use them live in conftest.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO_CONFIG = ROOT / "configs" / "tiny_demo.yaml"
+# Shorter than the demo; every launch test starts from these and adds its own --set.
+BASE_OVERRIDES = ["steps=30", "precision=fp32", "batch.micro_batch_size=16", "optim.warmup_steps=3",
+                  "logging.log_every=5", "data.num_workers=1", "logging.progress=plain"]
+# The checkpoint and fault tests' run (on top of BASE_OVERRIDES): ZeRO-2, 8 steps, a checkpoint
+# every 4, a loss line every 2.
+CHECKPOINT_RUN = ["profile=zero2", "steps=8", "optim.warmup_steps=2", "logging.log_every=2",
+                  "checkpoint.every=4"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_env() -> dict[str, str]:
+    # PYTHONPATH: the ranks import the tree under test, whatever an editable install points at
+    env = dict(os.environ, DS_ACCELERATOR="cpu", DEEPSPEED_TIMEOUT="3", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def deepspeed_cmd() -> list[str]:
+    exe = shutil.which("deepspeed")
+    return [exe] if exe else [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
+def train_args(data: dict, out_dir: Path, overrides: list[str]) -> list[str]:
+    sets = BASE_OVERRIDES + [f"output_dir={out_dir}", f"data.train_shards={data['shards']}",
+                             f"model.tokenizer={data['tokenizer']}"] + list(overrides)
+    return ["--module", "rsclip_ds", "train", "--config", str(DEMO_CONFIG)] + \
+        [a for s in sets for a in ("--set", s)]
+
+
+def run_checked(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)}\nexit {proc.returncode}\n--- output tail ---\n"
+                    f"{(proc.stdout + proc.stderr)[-6000:]}")
+    return proc
+
+
+def summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def launch_summary(data: dict, out: Path, overrides: list[str], nproc: int = 2) -> dict:
+    """A `deepspeed --num_gpus nproc` training run that must succeed -> its summary.json."""
+    port = free_port()
+    cmd = deepspeed_cmd() + ["--num_gpus", str(nproc), "--master_port", str(port)]
+    run_checked(cmd + train_args(data, out, overrides))
+    # DeepSpeed's CPU all-reduce buffers (64 MiB per rank) must not outlive the run
+    leaked = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    assert not leaked, f"shared-memory buffers left behind: {leaked}"
+    return summary(out)
+
+
+def launch_run(data: dict, out: Path, *overrides: str, timeout: int = 300,
+               extra: list[str] = ()) -> subprocess.CompletedProcess:
+    """One `deepspeed --num_gpus 2` run of CHECKPOINT_RUN; returns the finished process (any exit code)."""
+    cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port())]
+    cmd += train_args(data, out, CHECKPOINT_RUN + list(overrides)) + list(extra)
+    return subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout)
