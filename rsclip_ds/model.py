@@ -167,9 +167,17 @@ def build_model(cfg: ModelConfig, seed: int, loss: str = "siglip", *, source: Mo
         raise ConfigError("model.tokenizer is required for a from-scratch run: train one with "
                           "`rsclip-ds train-tokenizer --shards DATA --out TOKDIR` and pass "
                           "--set model.tokenizer=TOKDIR (or set model.pretrained)")
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    model = new_dual_encoder(preset_config(cfg.preset, tokenizer), loss, seed, ds_config=ds_config)
-    return _bundle(model, tokenizer, loss, IMAGE_MEAN, IMAGE_STD, ModelSource("preset", cfg.preset))
+    return preset_bundle(cfg.preset, load_tokenizer(cfg.tokenizer), seed, loss=loss, ds_config=ds_config)
+
+
+def preset_bundle(preset: str, tokenizer, seed: int = 0, *, loss: str = "siglip", ds_config: dict | None = None,
+                  own_vocabulary: bool = False) -> ModelBundle:
+    """A preset's ModelBundle with a ready tokenizer. ``own_vocabulary=True`` keeps the preset's
+    vocabulary size (32,000 for the real presets; the model `rsclip-ds plan` counts) instead of
+    the tokenizer's: for benchmarks that feed their own token ids."""
+    model = new_dual_encoder(preset_config(preset, None if own_vocabulary else tokenizer), loss, seed,
+                             ds_config=ds_config)
+    return _bundle(model, tokenizer, loss, IMAGE_MEAN, IMAGE_STD, ModelSource("preset", preset))
 
 
 def new_dual_encoder(config, loss: str = "siglip", seed: int = 0, *, ds_config: dict | None = None) -> DualEncoder:

@@ -44,12 +44,14 @@ log = logging.getLogger("rsclip_ds")
 Hook = Callable[[int, Any], "dict | None"]
 
 
-def check_run(run: RunConfig) -> tuple[Profile, dict]:
-    """Everything that can fail without a process group: profile, DeepSpeed config, shards.
-    Raises ConfigError naming the fix."""
+def check_run(run: RunConfig, *, shards: bool = True) -> tuple[Profile, dict]:
+    """Everything that can fail without a process group: profile, DeepSpeed config, model
+    source, shards (unless the caller brings its own batches). Raises ConfigError naming the fix."""
     profile = load_profile(run.profile)
     ds_config = build_ds_config(run, profile, world_size_from_env(), on_gpu=accelerator_is_gpu())
     check_source(run.model)
+    if not shards:
+        return profile, ds_config
     if not run.data.train_shards:
         raise ConfigError("data.train_shards is not set: point it at webdataset shards, e.g. "
                           "--set data.train_shards='data/synthetic/train-{000000..000007}.tar' "
@@ -80,13 +82,16 @@ class Trainer:
     """One training run. A context manager: entering starts the process group (unless one
     exists: then it is left to its owner), the SIGTERM flag and the heartbeat; leaving stops
     them. Seams: ``model`` a ready ModelBundle instead of `build_model(run.model)`;
-    ``wrap_loader(loader)`` wraps the training loader (it must keep `state_dict`/`bad_data`
-    or pass them through); ``hooks(step, engine)`` run after every optimizer step."""
+    ``loader`` a ready iterable of batches ({"pixel_values", "input_ids"}) instead of the shard
+    loader (data.train_shards is then not needed); ``wrap_loader(loader)`` wraps the shard
+    loader (it must keep `state_dict`/`bad_data` or pass them through); ``hooks(step, engine)``
+    run after every optimizer step."""
 
     def __init__(self, run: RunConfig, *, hooks: Sequence[Hook] = (), model: ModelBundle | None = None,
-                 wrap_loader: Callable[[Any], Any] | None = None):
-        self.run, self.extra_hooks, self.model, self.wrap_loader = run, list(hooks), model, wrap_loader
-        self.profile, self.ds_config = check_run(run)
+                 loader: Any = None, wrap_loader: Callable[[Any], Any] | None = None):
+        self.run, self.extra_hooks, self.model = run, list(hooks), model
+        self.loader, self.wrap_loader = loader, wrap_loader
+        self.profile, self.ds_config = check_run(run, shards=loader is None)
         self.info: DistInfo | None = None
         self.parts: Parts | None = None
         self._owns_group = False
@@ -131,7 +136,7 @@ class Trainer:
         resume = checkpointer.load(engine, run.checkpoint.resume) if run.checkpoint.resume else None
         if resume is None and run.precision != "fp32" and bundle.source and bundle.source.folder:
             set_fp32_masters(engine, Path(bundle.source.folder))   # not rounded to the 16-bit dtype
-        loader = build_train_loader(
+        loader = self.loader if self.loader is not None else build_train_loader(
             run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
             image_mean=bundle.image_mean, image_std=bundle.image_std,
             max_text_length=bundle.max_text_length, micro_batch_size=batch.micro,
@@ -191,7 +196,7 @@ class Trainer:
         """Rank 0 writes and prints the summary and draws the curves."""
         run, p = self.run, self.parts
         summary = build_summary(result, profile=self.profile, batch=p.batch, precision=run.precision,
-                                source=p.bundle.source, num_parameters=p.bundle.num_parameters(),
+                                source=p.bundle.source or run.model.preset, num_parameters=p.bundle.num_parameters(),
                                 activation_checkpointing=p.activation_checkpointing, loss=run.loss.name,
                                 negatives=run.loss.negatives, accumulation=run.batch.accumulation)
         write_summary(summary, run.output_dir)

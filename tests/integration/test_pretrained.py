@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from tests.integration.conftest import ROOT, deepspeed_cmd, free_port, run_checked
+from tests.integration.helpers import ROOT, deepspeed_cmd, free_port, run_checked
 from tests.published_like import write_published_like
 
 pytestmark = pytest.mark.slow

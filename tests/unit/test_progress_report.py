@@ -55,7 +55,7 @@ def test_summary_has_the_batch_arithmetic_and_loss_window(tmp_path, capsys):
     result = TrainResult(losses=[9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0], lrs=[0.0] * 7, optimizer_steps=7,
                          micro_steps=14, seconds=2.0, samples_per_s=48.0)
     s = build_summary(result, profile=load_profile("zero2"), batch=derive_batch(run, 3),
-                      precision="bf16", preset="tiny", num_parameters=210_000,
+                      precision="bf16", source="tiny", num_parameters=210_000,
                       activation_checkpointing=False, loss="siglip", negatives="global",
                       accumulation="global")
     assert s["batch_arithmetic"] == "4 x 2 x 3 = 24" and s["global_batch"] == 24
