@@ -171,3 +171,29 @@ def test_a_hub_id_resolves_from_the_cache_offline(published, tmp_path, monkeypat
         assert type(bundle.tokenizer).__name__ == "SiglipTokenizer"
     with pytest.raises(ConfigError, match="hf download lcybuaa/Other"):
         resolve_source(ModelConfig(pretrained="lcybuaa/Other"))
+
+
+def test_the_export_model_card_names_the_hub_base_model():
+    from rsclip_ds.checkpoint import _model_card
+    from rsclip_ds.hub import ModelSource
+
+    hub = ModelSource("hub", "lcybuaa/Git-RSCLIP", folder="/cache/x", revision=None, commit="0" * 40).to_dict()
+    card = _model_card("git-rsclip-rsicd", hub, step=3000, dtype="bf16")
+    header = card.split("---")[1]
+    assert "base_model: lcybuaa/Git-RSCLIP" in header and "library_name: transformers" in header
+    assert "3000 optimizer steps" in card and "bf16" in card
+    folder = _model_card("m", ModelSource("folder", "models/x", folder="models/x").to_dict(), 5, "fp32")
+    assert "base_model" not in folder and "models/x" in folder
+
+
+def test_source_checks_fail_before_launch(tmp_path):
+    from rsclip_ds.hub import check_source
+
+    with pytest.raises(ConfigError, match="not a hub id"):
+        check_source(ModelConfig(pretrained=str(tmp_path / "missing" / "deeper" / "x")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="hf download"):
+        check_source(ModelConfig(pretrained=str(tmp_path / "empty")))
+    with pytest.raises(ValueError, match="model.revision"):
+        ModelConfig(revision="abc")
+    check_source(ModelConfig(pretrained="lcybuaa/Git-RSCLIP"))   # a hub id: checked when fetched
