@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -73,3 +74,22 @@ def write_published_like(out: Path, *, dtype: torch.dtype = torch.float16, seed:
     (out / "special_tokens_map.json").write_text(json.dumps(SPECIAL_TOKENS, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
     return out
+
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def write_hf_cache(root: Path, repo: str, folder: Path, commit: str = COMMIT) -> str:
+    """``folder`` as revision ``commit`` of ``repo``, laid out as huggingface_hub caches it (blobs,
+    a snapshot of links, refs/main); point HF_HUB_CACHE at ``root``. Returns the commit."""
+    base = root / f"models--{repo.replace('/', '--')}"
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(commit)
+    (base / "blobs").mkdir()
+    snap = base / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for i, item in enumerate(sorted(folder.iterdir())):
+        blob = base / "blobs" / f"{i:040x}"
+        shutil.copy2(item, blob)
+        (snap / item.name).symlink_to(blob)
+    return commit

@@ -6,20 +6,23 @@ tokenizer; tests/published_like.py) on 2 CPU ranks, one launch per ZeRO stage / 
   build) and its engine's embeddings equal transformers' SiglipModel on the same inputs;
 - every stage starts from fp32 master weights equal to the folder's weights, bit for bit, also
   under bf16 (DeepSpeed alone would round them to bf16) -- and under fp16 where the CPU has it;
-- the short fine-tune trains (finite losses) and the summary names the model's source.
+- the short fine-tune trains (finite losses) and the summary names the model's source;
+- the ZeRO-1 run names the model by hub id, read from a Hugging Face cache (HF_HUB_OFFLINE=1,
+  the launch tests' environment): the per-node fetch-then-read path under the launcher.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.integration.helpers import ROOT, deepspeed_cmd, free_port, run_checked
-from tests.published_like import write_published_like
+from tests.integration.helpers import ROOT, deepspeed_cmd, free_port, launch_env
+from tests.published_like import COMMIT, write_hf_cache, write_published_like
 
 pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "integration" / "pretrained_worker.py"
@@ -44,17 +47,29 @@ def shards(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(folder, shards, tmp_path_factory):
-    """profile/precision -> (result.json, embeddings) of one launch each, run on first use."""
+def hub_cache(folder, tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_cache")
+    write_hf_cache(root, "lcybuaa/Git-RSCLIP", folder)
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(folder, shards, hub_cache, tmp_path_factory):
+    """profile/precision -> (result.json, embeddings) of one launch each, run on first use.
+    zero1 names the model by hub id (the cache holds the same folder)."""
     cache = {}
 
     def get(profile: str, precision: str):
         if (profile, precision) not in cache:
             out = tmp_path_factory.mktemp(f"{profile}_{precision}")
-            run_checked(deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port()), str(WORKER),
-                                           "--folder", str(folder), "--shards", shards, "--out", str(out),
-                                           "--set", f"profile={profile}", "--set", f"precision={precision}"],
-                        timeout=600)
+            hub = ["--set", "model.pretrained=lcybuaa/Git-RSCLIP"] if profile == "zero1" else []
+            cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port()), str(WORKER),
+                                     "--folder", str(folder), "--shards", shards, "--out", str(out),
+                                     "--set", f"profile={profile}", "--set", f"precision={precision}", *hub]
+            proc = subprocess.run(cmd, cwd=ROOT, env={**launch_env(), "HF_HUB_CACHE": str(hub_cache)},
+                                  capture_output=True, text=True, timeout=600)
+            if proc.returncode != 0:
+                pytest.fail(f"{' '.join(cmd)}\nexit {proc.returncode}\n{(proc.stdout + proc.stderr)[-6000:]}")
             cache[profile, precision] = (json.loads((out / "result.json").read_text()),
                                          torch.load(out / "embeddings.pt"))
         return cache[profile, precision]
@@ -73,7 +88,11 @@ def _reference_embeddings(folder, probe):
 
 def _check_training(result, folder, precision):
     summary = result["summary"]
-    assert summary["model"] == f"{folder} (folder)" and summary["model_source"]["kind"] == "folder"
+    if summary["profile"] == "zero1":
+        assert summary["model"] == f"lcybuaa/Git-RSCLIP@{COMMIT[:12]} (hub)", summary["model"]
+        assert summary["model_source"]["kind"] == "hub" and summary["model_source"]["commit"] == COMMIT
+    else:
+        assert summary["model"] == f"{folder} (folder)" and summary["model_source"]["kind"] == "folder"
     assert summary["precision"] == precision and len(summary["losses"]) == 4
     assert all(math.isfinite(v) for v in summary["losses"])
 

@@ -8,10 +8,6 @@ tolerances."""
 
 from __future__ import annotations
 
-import io
-import json
-import shutil
-
 import numpy as np
 import pytest
 import torch
@@ -25,7 +21,7 @@ from rsclip_ds.evaluation.embed import Embedder, class_embeddings, eval_transfor
 from rsclip_ds.evaluation.metrics import zero_shot_probabilities
 from rsclip_ds.hub import is_hub_id, resolve_source
 from rsclip_ds.model import build_model, load_tokenizer
-from tests.published_like import IMAGE_SIZE, TEXT_LENGTH, captions, write_published_like
+from tests.published_like import IMAGE_SIZE, TEXT_LENGTH, captions, write_hf_cache, write_published_like
 
 TEMPLATE = "a satellite photo of {}."
 CLASSES = ["forest", "river", "dense residential area", "airport"]
@@ -141,23 +137,8 @@ def test_a_missing_tokenizer_backend_names_the_package(published, monkeypatch):
 
 # --------------------------------------------------------------------------- hub ids
 
-def _hf_cache(root, repo: str, folder, commit: str) -> None:
-    """`repo` laid out as huggingface_hub caches it: blobs, a snapshot of links, refs/main."""
-    base = root / f"models--{repo.replace('/', '--')}"
-    (base / "refs").mkdir(parents=True)
-    (base / "refs" / "main").write_text(commit)
-    snap = base / "snapshots" / commit
-    (base / "blobs").mkdir()
-    snap.mkdir(parents=True)
-    for item in folder.iterdir():
-        blob = base / "blobs" / f"{abs(hash(item.name)):x}"
-        shutil.copy2(item, blob)
-        (snap / item.name).symlink_to(blob)
-
-
 def test_a_hub_id_resolves_from_the_cache_offline(published, tmp_path, monkeypatch):
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    _hf_cache(tmp_path / "hub", "lcybuaa/Git-RSCLIP", published, commit)
+    commit = write_hf_cache(tmp_path / "hub", "lcybuaa/Git-RSCLIP", published)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import huggingface_hub.constants as constants   # read at import: point them at the test cache
