@@ -16,9 +16,10 @@ towers), MFU = FLOPs per sample x samples/s / peak bf16 FLOP/s of the device (98
 for H100/H200 SXM; --peak-tflops for others), HFU (counting the recomputed forward under
 activation checkpointing), and torch.cuda.max_memory_allocated over engine build + steps.
 The engine, loss and activation checkpointing are the run's (`rsclip_ds.trainer.Trainer(run,
-model=...).build()`, the model built on the device through the `model=` seam; the Trainer's
-loader reads a few 64 px synthetic shards written under --data and is never iterated); the step
-is rsclip_ds.train.train_step with the SigLIP loss (one rank: local = global).
+model=..., loader=...).build()`: the model is `rsclip_ds.model.preset_bundle` with the preset's
+own vocabulary, built whole on the device (see run_case for why also under ZeRO-3); the loader
+is the one synthetic batch in device memory, which every step reuses); the step is
+rsclip_ds.train.train_step with the SigLIP loss (one rank: local = global).
 """
 
 from __future__ import annotations
@@ -31,16 +32,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness import (base_parser, environment, preset_bundle, process_group, run_script, synthetic_data,
-                     write_report)
+from harness import base_parser, environment, process_group, run_script, write_report
 
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 # micro-batch per GPU: activations ~75 MiB/sample (base) and ~243 MiB/sample (large) without
 # checkpointing (rsclip_ds.memory) -> ~19 / ~31 GB, beside 16 bytes/param of model states.
 MICRO = {"git-rsclip-base": 256, "git-rsclip-large": 128, "tiny": 8}
-# The Trainer builds a loader (never read here: the batches are synthetic tensors in device
-# memory); 16 shards feed up to 16 ranks.
-DATA = {"num_train": 128, "num_val": 8, "shard_size": 8}
 
 
 @dataclass(frozen=True)
@@ -78,33 +75,41 @@ def run_case(case: Case, args) -> dict:
     from rsclip_ds.config import load_config
     from rsclip_ds.engine import engine_dtype
     from rsclip_ds.flops import flops_per_sample
+    from rsclip_ds.model import preset_bundle
     from rsclip_ds.train import train_step
     from rsclip_ds.trainer import Trainer
 
     with process_group(args.threads) as info, tempfile.TemporaryDirectory() as out_dir:
         acc = get_accelerator()
         device = torch.device(acc.device_name(info.local_rank) if info.on_gpu else "cpu")
-        data = synthetic_data(args.data, info.rank, **DATA)
         run = load_config(None, [f"precision={args.precision}", f"batch.micro_batch_size={case.micro}",
                                  "steps=1000", "optim.warmup_steps=10", f"profile={case.profile}",
                                  f"model.preset={case.preset}", f"model.activation_checkpointing={case.checkpointing}",
-                                 f"data.train_shards={data['train_pattern']}", "data.num_workers=0",
                                  f"output_dir={out_dir}", "checkpoint.at_end=false"])
         if info.on_gpu:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        bundle = preset_bundle(case.preset, data["tokenizer"], device)   # -large: seconds on the GPU
-        with Trainer(run, model=bundle) as trainer:
+        # Built whole, on the device (-large: seconds on a GPU, a minute on the CPU), for every
+        # profile: on one rank deepspeed.zero.Init (a ZeRO-3 run's build) has nothing to
+        # partition, and it draws the seeded initial weights in another order, so ZeRO-3 rows
+        # would start from another model than ZeRO-2 rows. No tokenizer: the batch carries token
+        # ids, and nothing Trainer.build runs here reads one (our loader, no evaluation, no
+        # checkpoint saved: write_hf_extras would need it).
+        with torch.device(device):
+            bundle = preset_bundle(case.preset, None, run.seed, own_vocabulary=True)
+        v, t = bundle.model.config.vision_config, bundle.model.config.text_config
+        g = torch.Generator(device=device).manual_seed(info.rank)
+        pixel_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.precision]   # the engine's: no cast per step
+        batch = {"pixel_values": torch.randn(case.micro, 3, v.image_size, v.image_size, device=device,
+                                             generator=g).to(pixel_dtype),                      # (B,3,H,W)
+                 "input_ids": torch.randint(0, t.vocab_size, (case.micro, t.max_position_embeddings),
+                                            device=device, generator=g)}                        # (B,L)
+        with Trainer(run, model=bundle, loader=[batch]) as trainer:
             parts = trainer.build()
             engine, loss_fn, config = parts.engine, parts.loss_fn, bundle.model.config
             build_s = time.perf_counter() - t0
             dtype = engine_dtype(engine)
-            v, t = config.vision_config, config.text_config
-            g = torch.Generator(device=engine.device).manual_seed(info.rank)
-            batch = {"pixel_values": torch.randn(case.micro, 3, v.image_size, v.image_size, device=engine.device,
-                                                 generator=g).to(dtype),                          # (B,3,H,W)
-                     "input_ids": torch.randint(0, t.vocab_size, (case.micro, t.max_position_embeddings),
-                                                device=engine.device, generator=g)}               # (B,L)
+            [batch] = parts.loader   # every step trains on it: the time is the model's, not a loader's
             losses = [float(train_step(engine, batch, loss_fn, dtype)) for _ in range(args.warmup)]
             acc.synchronize()
             steps, t0 = 0, time.perf_counter()
@@ -142,7 +147,7 @@ def run_in_process(case: Case, args, timeout: float) -> dict:
         cli = ["--worker", "--out", str(result), "--model", case.preset, "--profiles", case.profile,
                "--ac", "on" if case.checkpointing else "off", "--micro", str(case.micro),
                "--precision", args.precision, "--warmup", str(args.warmup), "--seconds", str(args.seconds),
-               "--max-steps", str(args.max_steps), "--data", str(args.data), "--threads", str(args.threads)]
+               "--max-steps", str(args.max_steps), "--threads", str(args.threads)]
         if args.peak_tflops:
             cli += ["--peak-tflops", str(args.peak_tflops)]
         t0 = time.perf_counter()
@@ -187,8 +192,6 @@ def parse_args(argv):
     parser.add_argument("--total-budget", type=float, default=450.0,
                         help="seconds for all cases; cases that would start after it are skipped")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU if not in PEAK_BF16_TFLOPS")
-    parser.add_argument("--data", type=Path, default=Path("runs/bench_data"),
-                        help="where the Trainer's (unread) synthetic shards are written, reused when present")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 

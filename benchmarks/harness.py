@@ -176,20 +176,6 @@ def synthetic_data(root: Path, rank: int, *, num_train: int, num_val: int, shard
             "tokenizer": str(folder / "tokenizer")}
 
 
-def preset_bundle(preset: str, tokenizer_dir: str, device: torch.device | str | None = None):
-    """The `Trainer(model=...)` for benchmarks that feed their own batches of the preset's shapes:
-    the preset with its own vocabulary (the model `rsclip_ds.memory.preset_spec` counts), seeded
-    as runs are, built on `device` (seconds on a GPU, a minute on the CPU for git-rsclip-large).
-    The tokenizer (ids < the preset's vocabulary) serves only the Trainer's loader."""
-    from rsclip_ds.model import IMAGE_MEAN, IMAGE_STD, ModelBundle, load_tokenizer, new_dual_encoder, preset_config
-
-    config = preset_config(preset)
-    with torch.device(device or "cpu"):
-        model = new_dual_encoder(config, "siglip", seed=0)
-    return ModelBundle(model, load_tokenizer(Path(tokenizer_dir)), config.vision_config.image_size, IMAGE_MEAN,
-                       IMAGE_STD, config.text_config.max_position_embeddings)
-
-
 # --------------------------------------------------------------------------- sub-runs
 
 def run_script(script: Path, args: list[str], result: Path, timeout: float) -> dict:

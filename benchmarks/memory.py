@@ -7,11 +7,12 @@ Writes the JSON given by --out and a PNG beside it (same name, .png); rank 0 pri
 On 2 CPU ranks of a 2-core machine the tiny preset takes ~1 minute, mostly engine builds.
 
 For every profile in ds_profiles/ the process builds the engine, loss and activation
-checkpointing a run gets (`rsclip_ds.trainer.Trainer(run, model=...).build()`; the model is the
-preset with its own vocabulary, as `memory.preset_spec` counts it; the Trainer's loader reads a
-few synthetic shards under --data and is never iterated), runs --steps train steps on random
-batches of the preset's shapes, and in the last one counts, on each rank, the bytes of the
-tensors the engine holds (each storage once, by data_ptr):
+checkpointing a run gets (`rsclip_ds.trainer.Trainer(run, model=..., loader=...).build()`; the
+model is `rsclip_ds.model.preset_bundle` with the preset's own vocabulary, as `memory.preset_spec`
+counts it, built as a run builds it: partitioned inside deepspeed.zero.Init under ZeRO-3; the
+loader is this script's random batches of the preset's shapes), runs --steps train steps on
+them, and in the last one counts, on each rank, the bytes of the tensors the engine holds (each
+storage once, by data_ptr):
 
   parameters  ZeRO-1/2: the optimizer's flat 16-bit buffers `bit16_groups_flat` (the module's
               params are views of them); ZeRO-3: the partitions `p.ds_tensor`. ZeRO-3 also keeps
@@ -61,15 +62,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from harness import (base_parser, environment, finish, max_over_ranks, preset_bundle, process_group, pyplot,
-                     rank0_print, save_figure, synthetic_data)
+from harness import (base_parser, environment, finish, max_over_ranks, process_group, pyplot, rank0_print,
+                     save_figure)
 from memory_counting import measured_step
 from rsclip_ds import memory
 from rsclip_ds.config import load_config
 from rsclip_ds.engine import engine_dtype
+from rsclip_ds.model import preset_bundle
 from rsclip_ds.profiles import available_profiles
 from rsclip_ds.train import train_step
-from rsclip_ds.trainer import Trainer
+from rsclip_ds.trainer import Trainer, check_run
 
 MODEL_TOL, ACT_TOL = 0.10, 0.15
 ROLES = ("params", "grads", "optimizer")
@@ -84,38 +86,46 @@ def make_batch(config, micro: int, seed: int) -> dict:
             "input_ids": torch.randint(0, config.text_config.vocab_size, (micro, length), generator=g)}
 
 
-def run_profile(name: str, args, data: dict, on_gpu: bool) -> dict:
-    """One profile: the engine, loss and profile a run gets (`Trainer.build`, the preset's own
-    vocabulary through the `model=` seam), --steps train steps on random batches, then the
-    counted step."""
-    world = dist.get_world_size()
+def random_batches(config, micro: int, seeds: list[int]):
+    """The Trainer's loader here: one random batch of the preset's shapes per seed, made when read."""
+    return (make_batch(config, micro, seed) for seed in seeds)
+
+
+def run_profile(name: str, args, on_gpu: bool) -> dict:
+    """One profile: the model, engine, loss and profile a run gets (`Trainer.build`, the preset's
+    own vocabulary through the `model=` seam, random batches through `loader=`), --steps train
+    steps, then the counted step."""
+    world, rank = dist.get_world_size(), dist.get_rank()
     with tempfile.TemporaryDirectory() as out_dir:
         run = load_config(None, [f"profile={name}", f"precision={args.precision}", f"model.preset={args.preset}",
                                  f"batch.micro_batch_size={args.micro}", f"steps={args.steps + 1}",
-                                 "optim.warmup_steps=0", f"data.train_shards={data['train_pattern']}",
-                                 "data.num_workers=0", f"output_dir={out_dir}", "checkpoint.at_end=false"])
-        bundle = preset_bundle(args.preset, data["tokenizer"])
+                                 "optim.warmup_steps=0", f"output_dir={out_dir}", "checkpoint.at_end=false"])
+        _, ds_config = check_run(run, shards=False)
         if on_gpu:
-            torch.cuda.reset_peak_memory_stats()
-        with Trainer(run, model=bundle) as trainer:
+            torch.cuda.reset_peak_memory_stats()   # ZeRO-3 builds the partitions on the device
+        # No tokenizer: the batches carry token ids, and nothing Trainer.build runs here reads one
+        # (our loader, no evaluation, no checkpoint saved: write_hf_extras would need it).
+        bundle = preset_bundle(args.preset, None, run.seed, ds_config=ds_config, own_vocabulary=True)
+        config = bundle.model.config
+        seeds = [100 * step + rank for step in range(args.steps)] + [99 + rank]   # the last one is counted
+        with Trainer(run, model=bundle, loader=random_batches(config, args.micro, seeds)) as trainer:
             parts = trainer.build()
-            engine, prof, config, rank = parts.engine, trainer.profile, bundle.model.config, trainer.info.rank
+            engine, prof, batches = parts.engine, trainer.profile, iter(parts.loader)
             dtype = engine_dtype(engine)
             places = {"params": "cpu" if prof.offload_param else "gpu",
                       "grads": "cpu" if prof.offload_optimizer else "gpu",
                       "optimizer": "cpu" if prof.offload_optimizer else "gpu"}
             times = []
-            for step in range(args.steps):
-                batch = make_batch(config, args.micro, seed=100 * step + rank)
+            for _ in range(args.steps):
+                batch = next(batches)
                 dist.barrier()
                 t0 = time.perf_counter()
                 train_step(engine, batch, parts.loss_fn, dtype)
                 times.append(time.perf_counter() - t0)
-            held, persistent, act, act_parts = measured_step(engine, make_batch(config, args.micro, 99 + rank),
-                                                             parts.loss_fn, dtype, prof.stage, places,
-                                                             parts.activation_checkpointing)
+            held, persistent, act, act_parts = measured_step(engine, next(batches), parts.loss_fn, dtype,
+                                                             prof.stage, places, parts.activation_checkpointing)
             checkpointing = parts.activation_checkpointing
-        del trainer, parts, engine, bundle   # the next profile starts without this one's engine
+        del trainer, parts, engine, bundle, batches   # the next profile starts without this one's engine
     gc.collect()
     peak = torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     spec = memory.preset_spec(args.preset)
@@ -236,8 +246,6 @@ def parse_args(argv):
     parser.add_argument("--micro", type=int, default=4, help="samples per rank per micro-batch")
     parser.add_argument("--steps", type=int, default=3, help="train steps before the measured one")
     parser.add_argument("--profiles", nargs="*", default=None, help="default: every ds_profiles/*.json")
-    parser.add_argument("--data", type=Path, default=Path("runs/bench_data"),
-                        help="where the Trainer's (unread) synthetic shards are written, reused when present")
     return parser.parse_args(argv)
 
 
@@ -254,11 +262,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     with process_group(args.threads) as info:
         t0 = time.perf_counter()
-        # 16 shards: enough for 16 ranks; the Trainer builds a loader, the benchmark never reads it
-        data = synthetic_data(args.data, info.rank, num_train=128, num_val=8, shard_size=8)
         rows = []
         for name in args.profiles or available_profiles():
-            row = run_profile(name, args, data, info.on_gpu)
+            row = run_profile(name, args, info.on_gpu)
             reduce_over_ranks(row)
             rows.append(row)
             rank0_print(info.rank)(f"{name}: gpu {row['gpu']['ratio']:.3f} offload {row['offload']['ratio']:.3f} "

@@ -26,8 +26,7 @@ W, MICRO = 2, 4
 def report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("bench")
     return run_benchmark("memory.py", "--preset", "tiny", "--precision", "fp32", "--steps", "2",
-                         "--micro", str(MICRO), "--data", str(tmp / "data"), out=tmp / "memory.json", ranks=W,
-                         timeout=240)
+                         "--micro", str(MICRO), out=tmp / "memory.json", ranks=W, timeout=240)
 
 
 @pytest.fixture(scope="module")
