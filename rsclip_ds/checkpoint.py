@@ -289,19 +289,27 @@ EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32") -> Path:
     """A Hugging Face folder (config, model.safetensors, tokenizer, image processor) that
-    `transformers.AutoModel.from_pretrained` loads as a SiglipModel, from any ZeRO stage."""
+    `transformers.AutoModel.from_pretrained` loads as a SiglipModel, from any ZeRO stage. A
+    LoRA run's adapters are merged into the weights, and also saved alone in `adapter/`."""
     from transformers import AutoConfig, SiglipModel
 
     root, tag = resolve_checkpoint(checkpoint)
     extras = root / tag / HF_DIR
     if not (extras / "config.json").is_file():
         raise FileNotFoundError(f"{extras} is missing: the checkpoint was not written by rsclip_ds")
-    _, state = consolidated_state_dict(root / tag)
+    run, state = consolidated_state_dict(root / tag)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lora = run.finetune.lora
+    if lora.towers:   # the adapters alone (peft format), then merged into the weights
+        from rsclip_ds.finetune import merge_lora_state, save_adapter
+
+        (out / "adapter").mkdir(exist_ok=True)
+        save_adapter(state, lora, out / "adapter")
+        state = merge_lora_state(state, lora)
     model = SiglipModel(AutoConfig.from_pretrained(str(extras)))
     model.load_state_dict(state, strict=True)
     model.to(EXPORT_DTYPES[dtype])
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
     for item in extras.iterdir():
         if item.name not in ("config.json", SOURCE_FILE):

@@ -144,6 +144,57 @@ class OptimConfig(_Strict):
         "with offload; JIT-built on first use, FusedAdam needs nvcc), 'torch' (torch.optim.AdamW, "
         "no build), 'auto' (DeepSpeedCPUAdam for GPU runs with optimizer offload, where torch's "
         "AdamW on CPU would be the bottleneck; torch everywhere else).")
+    image_lr: Optional[float] = Field(None, gt=0, description="Peak learning rate of the image tower "
+                                      "(null: `lr`); scaled by `lr_scaling` like `lr`.")
+    text_lr: Optional[float] = Field(None, gt=0, description="Peak learning rate of the text tower (null: `lr`).")
+    logit_lr: Optional[float] = Field(None, gt=0, description="Peak learning rate of the logit scale and "
+                                      "bias (null: `lr`).")
+    image_layer_decay: float = Field(1.0, gt=0, le=1, description="Layer-wise LR decay of the image tower: "
+                                     "layer l of depth D (embeddings 0, blocks 1..L, final norm/head L+1 = D) "
+                                     "trains at lr x decay^(D - l). 1: off.")
+    text_layer_decay: float = Field(1.0, gt=0, le=1, description="Layer-wise LR decay of the text tower "
+                                    "(as image_layer_decay).")
+
+
+class LoraConfig(_Strict):
+    towers: list[Literal["image", "text"]] = Field(
+        default_factory=list, description="Towers that get LoRA adapters (peft) on their attention "
+        "projections (q, k, v, out); their other weights are frozen. Empty: no LoRA.")
+    rank: int = Field(8, ge=1, description="LoRA rank r.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha (the update is scaled by alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch's input.")
+    mlp: bool = Field(False, description="Also adapt the MLP projections (fc1, fc2) of the encoder blocks.")
+
+
+class FinetuneConfig(_Strict):
+    lock_image: bool = Field(False, description="Freeze the image tower (open_clip's --lock-image): no "
+                             "gradients, no optimizer states, weights unchanged.")
+    lock_image_unlocked_layers: int = Field(
+        0, ge=0, description="With lock_image: train the last N encoder blocks anyway (the final "
+        "norm/head follow the last block; the embeddings train only when all blocks do).")
+    lock_text: bool = Field(False, description="Freeze the text tower (open_clip's --lock-text).")
+    lock_text_unlocked_layers: int = Field(0, ge=0, description="With lock_text: train the last N "
+                                           "blocks anyway (as lock_image_unlocked_layers).")
+    image_size: Optional[int] = Field(
+        None, ge=16, description="Train at this image size instead of the model's (e.g. 384 for a 256 "
+        "px checkpoint): the position embeddings are interpolated once at load (bicubic), and the "
+        "export and evaluation use the new size. A multiple of the patch size.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="Low-rank adapters (peft).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "FinetuneConfig":
+        for tower in ("image", "text"):
+            lock, unlocked = getattr(self, f"lock_{tower}"), getattr(self, f"lock_{tower}_unlocked_layers")
+            if unlocked and not lock:
+                raise ValueError(f"finetune.lock_{tower}_unlocked_layers={unlocked} needs "
+                                 f"finetune.lock_{tower}=true (without the lock every layer trains)")
+            if lock and tower in self.lora.towers:
+                raise ValueError(f"finetune.lock_{tower} and LoRA on the {tower} tower: LoRA already freezes "
+                                 f"the tower's weights and trains only its adapters; drop one of "
+                                 f"finetune.lock_{tower} or '{tower}' in finetune.lora.towers")
+        if len(set(self.lora.towers)) != len(self.lora.towers):
+            raise ValueError(f"finetune.lora.towers {self.lora.towers} names a tower twice")
+        return self
 
 
 class Fp16Config(_Strict):
@@ -242,6 +293,8 @@ class RunConfig(_Strict):
     data: DataConfig = Field(default_factory=DataConfig, description="Training data.")
     batch: BatchConfig = Field(default_factory=BatchConfig, description="Batch arithmetic.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and LR schedule.")
+    finetune: FinetuneConfig = Field(default_factory=FinetuneConfig, description="Fine-tuning controls: "
+                                     "locked towers, LoRA, a new image size.")
     fp16: Fp16Config = Field(default_factory=Fp16Config, description="Loss-scaler settings (precision=fp16).")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress output.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation during training "

@@ -1,4 +1,4 @@
-"""build_engine(): parameter groups + deepspeed.initialize."""
+"""build_engine(): deepspeed.initialize with the run's parameter groups; engine facts; exact fp32 masters."""
 
 from __future__ import annotations
 
@@ -9,24 +9,19 @@ import torch
 from torch import nn
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices only: biases, norms and the logit scale/bias (ndim < 2) are not decayed,
-    as in open_clip. Frozen parameters are left out."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
-
-
-def build_engine(model: nn.Module, ds_config: dict[str, Any]):
-    """Returns the DeepSpeed engine (optimizer and scheduler come from ds_config)."""
+def build_engine(model: nn.Module, ds_config: dict[str, Any], param_groups: list[dict[str, Any]] | None = None):
+    """Returns the DeepSpeed engine (optimizer and scheduler come from ds_config). ``param_groups``
+    (finetune.param_groups) default to the two groups of a plain run: weight decay on matrices
+    only, at the config's learning rate."""
     import deepspeed
 
-    weight_decay = ds_config["optimizer"]["params"]["weight_decay"]
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, weight_decay), config=ds_config)
+    from rsclip_ds.config import OptimConfig
+    from rsclip_ds.finetune import param_groups as groups_for
+
+    if param_groups is None:
+        params = ds_config["optimizer"]["params"]
+        param_groups = groups_for(model, OptimConfig(lr=params["lr"], weight_decay=params["weight_decay"]))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups, config=ds_config)
     return engine
 
 

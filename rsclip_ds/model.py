@@ -54,6 +54,8 @@ LOGIT_INIT = {"siglip": (math.log(10.0), -10.0), "clip": (math.log(1 / 0.07), 0.
 class DualEncoder(nn.Module):
     """Image tower + text tower -> L2-normalised embeddings, logit scale (log) and bias."""
 
+    base_model_prefix = "siglip"   # as SiglipModel's: peft's LoRA injection reads it from models with a config
+
     def __init__(self, siglip: nn.Module):
         super().__init__()
         self.config = siglip.config

@@ -30,11 +30,12 @@ from rsclip_ds.distributed import (DistInfo, Heartbeat, StopFlag, accelerator_is
                                    world_size_from_env)
 from rsclip_ds.engine import build_engine, set_fp32_masters
 from rsclip_ds.evaluation.hook import build_eval_hook
+from rsclip_ds.finetune import apply_finetune, param_groups
 from rsclip_ds.hub import check_source, resolve_source_per_node
 from rsclip_ds.losses import build_loss
 from rsclip_ds.model import ModelBundle, apply_activation_checkpointing, build_model
 from rsclip_ds.profiles import (BatchSizes, Profile, activation_checkpointing_enabled, build_ds_config,
-                                derive_batch, load_profile)
+                                derive_batch, load_profile, scaled_lr)
 from rsclip_ds.reporting.curves import plot_curves
 from rsclip_ds.reporting.progress import ProgressReporter
 from rsclip_ds.reporting.summary import build_summary, print_summary, write_summary
@@ -122,16 +123,19 @@ class Trainer:
         bundle = self.model or build_model(run.model, run.seed, loss=run.loss.name, ds_config=self.ds_config,
                                            source=resolve_source_per_node(run.model, info.local_rank))
         ac = activation_checkpointing_enabled(run, self.profile)
+        bundle, trainable = apply_finetune(bundle, run.finetune, run.loss.name, checkpointing=ac)
         if ac:
             apply_activation_checkpointing(bundle.model)
         if info.rank == 0:
             self._write_run_files()
             log.info("model %s | profile %s | precision %s | batch micro x accumulation x world = global: %s | "
-                     "%.2fM parameters", bundle.source, self.profile.name, run.precision, batch,
-                     bundle.num_parameters() / 1e6)
+                     "%.2fM parameters, trainable %s", bundle.source, self.profile.name, run.precision, batch,
+                     bundle.num_parameters() / 1e6,
+                     ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in trainable.items()))
         eval_hook = build_eval_hook(run, bundle, info.rank, info.world_size)  # reads the eval sets now
         hooks = self.extra_hooks + ([eval_hook] if eval_hook else [])
-        engine = build_engine(bundle.model, self.ds_config)
+        groups = param_groups(bundle.model, run.optim, lr_factor=scaled_lr(run, info.world_size) / run.optim.lr)
+        engine = build_engine(bundle.model, self.ds_config, groups)
         checkpointer = self._checkpointer(bundle)
         resume = checkpointer.load(engine, run.checkpoint.resume) if run.checkpoint.resume else None
         if resume is None and run.precision != "fp32" and bundle.source and bundle.source.folder:
