@@ -154,6 +154,12 @@ def consolidated_state_dict(path: str | Path) -> tuple[RunConfig, dict[str, torc
     run = RunConfig.model_validate(load_meta(root, tag)["config"])
     with weights_only_loads():
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+        whole = root / tag / "mp_rank_00_model_states.pt"   # ZeRO-1/2: the module, unpartitioned
+        if whole.is_file():
+            # 0.19.8 saves frozen (locked) parameters for zero_to_fp32 only when gradients are
+            # partitioned (ZeRO-2/3); under ZeRO-1 they are only in the module state dict
+            module = torch.load(whole, map_location="cpu")["module"]
+            state.update({k: v.float() for k, v in module.items() if k not in state and v.is_floating_point()})
     return run, state
 
 
