@@ -60,33 +60,68 @@ class ModelSpec:
     vision_tokens: int     # patches per image
     text_tokens: int
     embed_dim: int
+    trainable_vision: int = -1   # elements that train (locks, LoRA); -1: all
+    trainable_text: int = -1
+    finetune_json: str = "{}"    # the FinetuneConfig the counts were made with (for the probe)
 
     @property
     def params(self) -> int:
         return self.vision_params + self.text_params + 2   # + logit scale and bias
 
+    @property
+    def trainable(self) -> int:
+        """Elements with gradients and optimizer states."""
+        if self.trainable_vision < 0:
+            return self.params
+        return self.trainable_vision + self.trainable_text + 2
 
-def _meta_model(config):
+    def tower_trains(self, tower: str) -> float:
+        """0 for a locked tower (forward only), 1 for a trained one; a LoRA tower back-propagates
+        through its activations but makes no weight gradients of its frozen matrices: 2/3."""
+        ft = json.loads(self.finetune_json)
+        if tower in ft.get("lora", {}).get("towers", []):
+            return 2 / 3
+        trained = self.trainable_vision if tower == "vision" else self.trainable_text
+        return 0.0 if trained == 0 else 1.0
+
+
+def _meta_model(config, finetune_json: str = "{}"):
+    """The dual encoder on the meta device, with the fine-tuning controls applied (a new image
+    size changes the config before; LoRA adds its adapters; locks set requires_grad)."""
+    from rsclip_ds.config import FinetuneConfig
+    from rsclip_ds.finetune import apply_lora, apply_trainability
     from rsclip_ds.model import new_dual_encoder
 
+    finetune = FinetuneConfig.model_validate(json.loads(finetune_json))
     with torch.device("meta"):
-        return new_dual_encoder(config)
+        model = new_dual_encoder(config)
+        apply_lora(model, finetune.lora)
+    apply_trainability(model, finetune)
+    return model
 
 
-def model_spec(config, name: str = "custom") -> ModelSpec:
-    """Counts from a SiglipConfig, on the meta device (no memory, any size)."""
-    m = _meta_model(config)
+def model_spec(config, name: str = "custom", finetune=None) -> ModelSpec:
+    """Counts from a SiglipConfig, on the meta device (no memory, any size); ``finetune`` (a
+    FinetuneConfig) sets what trains and adds LoRA's parameters."""
+    if finetune is not None and finetune.image_size:
+        config = config.__class__.from_dict(config.to_dict())
+        config.vision_config.image_size = finetune.image_size
+    ft = finetune.model_dump_json() if finetune is not None else "{}"
+    m = _meta_model(config, ft)
     largest = max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules())
     vc, tc = config.vision_config, config.text_config
-    return ModelSpec(name, config.to_json_string(use_diff=False), sum(p.numel() for p in m.vision_model.parameters()),
-                     sum(p.numel() for p in m.text_model.parameters()), largest,
-                     (vc.image_size // vc.patch_size) ** 2, tc.max_position_embeddings, vc.hidden_size)
+
+    def count(module, trainable=False):
+        return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable)
+    return ModelSpec(name, config.to_json_string(use_diff=False), count(m.vision_model), count(m.text_model), largest,
+                     (vc.image_size // vc.patch_size) ** 2, tc.max_position_embeddings, vc.hidden_size,
+                     count(m.vision_model, True), count(m.text_model, True), ft)
 
 
-def preset_spec(preset: str) -> ModelSpec:
+def preset_spec(preset: str, finetune=None) -> ModelSpec:
     from rsclip_ds.model import preset_config
 
-    return model_spec(preset_config(preset), preset)
+    return model_spec(preset_config(preset), preset, finetune)
 
 
 def scaled_spec(params: float) -> ModelSpec:
@@ -151,16 +186,20 @@ def saved_bytes(fn, exclude=()) -> int:
 
 
 @lru_cache(maxsize=None)
-def _probe(config_json: str, precision: str, checkpointing: bool, samples: int) -> tuple[int, int]:
+def _probe(config_json: str, precision: str, checkpointing: bool, samples: int,
+           finetune_json: str = "{}") -> tuple[int, int]:
     from unittest import mock
 
     from transformers import SiglipConfig
 
+    from rsclip_ds.finetune import keep_checkpointed_inputs_differentiable
     from rsclip_ds.model import apply_activation_checkpointing
 
     config = SiglipConfig.from_dict(json.loads(config_json))
-    model = _meta_model(config).to(DTYPES[precision]).train()
+    model = _meta_model(config, finetune_json).to(DTYPES[precision]).train()
     if checkpointing:
+        if finetune_json != "{}":
+            keep_checkpointed_inputs_differentiable(model)
         apply_activation_checkpointing(model)
     vc, tc = config.vision_config, config.text_config
     with torch.device("meta"):
@@ -173,24 +212,26 @@ def _probe(config_json: str, precision: str, checkpointing: bool, samples: int) 
     return vision, text
 
 
-def activation_bytes_per_sample(config, precision: str = "bf16", checkpointing: bool = False) -> dict:
+def activation_bytes_per_sample(config, precision: str = "bf16", checkpointing: bool = False,
+                                finetune_json: str = "{}") -> dict:
     """Measured bytes per sample saved for backward by each tower (SiglipConfig or preset name).
 
     A forward of 2 samples on the meta device (real shapes, no memory) under
     `saved_tensors_hooks`, halved. With checkpointing, the saved layer inputs plus one layer's
-    activations, alive while backward recomputes it: (full - checkpointed) / layers."""
+    activations, alive while backward recomputes it: (full - checkpointed) / layers. With the
+    fine-tuning controls applied (``finetune_json``): a locked tower saves (almost) nothing."""
     if isinstance(config, str):
         from rsclip_ds.model import preset_config
 
         config = preset_config(config)
     cj = config.to_json_string()
-    full = _probe(cj, precision, False, 2)
+    full = _probe(cj, precision, False, 2, finetune_json)
     if not checkpointing:
         return {"vision": full[0] // 2, "text": full[1] // 2}
-    ckpt = _probe(cj, precision, True, 2)
+    ckpt = _probe(cj, precision, True, 2, finetune_json)
     layers = (config.vision_config.num_hidden_layers, config.text_config.num_hidden_layers)
     # backward recomputes one layer at a time, of one tower: only the larger layer counts
-    layer = [(f - c) // n for f, c, n in zip(full, ckpt, layers)]
+    layer = [max(0, f - c) // n for f, c, n in zip(full, ckpt, layers)]
     top = 0 if layer[0] >= layer[1] else 1
     return {tower: (ckpt[i] + (layer[i] if i == top else 0)) // 2
             for i, tower in enumerate(("vision", "text"))}
@@ -216,36 +257,39 @@ class StateBytes:
 
 def model_state_bytes(params: int, largest_layer: int, stage: int, offload_optimizer: bool,
                       offload_param: bool, precision: str, gpus: int, gpus_per_node: int,
-                      zero: dict | None = None) -> StateBytes:
+                      zero: dict | None = None, trainable: int | None = None) -> StateBytes:
     """Model states of one rank (formulas in the module docstring); `zero` is the profile's
-    zero_optimization block, for its bucket sizes (elements; DeepSpeed's defaults otherwise)."""
+    zero_optimization block, for its bucket sizes (elements; DeepSpeed's defaults otherwise).
+    ``trainable``: elements with gradients and optimizer states (locked towers and LoRA's frozen
+    weights have neither); the weights' p bytes count for all ``params``."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage {stage} is not modelled (1, 2 or 3)")
     zero = zero or {}
     p, g, k = BYTES[precision]
     psi, G, n = params, gpus, gpus_per_node
-    part = math.ceil(psi / G)
+    t = psi if trainable is None else trainable            # Ψ_t: what has gradients and states
+    part, tpart = math.ceil(psi / G), math.ceil(t / G)
     fp32_grad = 0 if precision == "fp32" else 4          # step() casts the gradient partition
     buffers = 2 if zero.get("overlap_comm", False) else 1  # double-buffered reduce buckets
-    reduce = min(int(zero.get("reduce_bucket_size", 5e8)), psi) * g * buffers
+    reduce = min(int(zero.get("reduce_bucket_size", 5e8)), t) * g * buffers
     cpu = 4 * psi * n                                     # every rank builds the fp32 model on CPU
     if stage < 3:
         # ZeRO-1 in DeepSpeed 0.19.8 shares ZeRO-2's optimizer and also keeps only its gradient
         # partition (`averaged_gradients`); the textbook (p + g)Ψ + kΨ/G over-counts it.
-        gpu = p * psi + (g + k) * part
-        step = fp32_grad * part + min(int(zero.get("allgather_bucket_size", 5e8)), psi) * p
+        gpu = p * psi + (g + k) * tpart
+        step = fp32_grad * tpart + min(int(zero.get("allgather_bucket_size", 5e8)), t) * p
         if offload_optimizer:
             gpu, step = p * psi, 0
-            cpu = max(cpu, (k + 4) * part * n)
+            cpu = max(cpu, (k + 4) * tpart * n)
         return StateBytes(gpu, step, reduce, cpu)
     layer = 2 * p * largest_layer                         # gathered 16-bit layer + its gradient
     prefetch = min(int(zero.get("stage3_prefetch_bucket_size", 5e7)), psi) * p
-    sub_group = min(part, int(zero.get("sub_group_size", 1e9)))
-    gpu, step = (p + g + k) * part, fp32_grad * sub_group
+    sub_group = min(tpart, int(zero.get("sub_group_size", 1e9)))
+    gpu, step = p * part + (g + k) * tpart, fp32_grad * sub_group
     if offload_optimizer:
         gpu, step = p * part, 0
         # + the flat gradient partition (`grad_partitions_flat_buffer`) next to the fp32 one
-        cpu = max(cpu, (k + 4 + g + (p if offload_param else 0)) * part * n)
+        cpu = max(cpu, (k + 4 + g) * tpart * n + (p * part * n if offload_param else 0))
     if offload_param:
         gpu = 0
     return StateBytes(gpu, step, reduce + prefetch + layer, cpu)
@@ -288,7 +332,7 @@ def peak_gpu_bytes(spec: ModelSpec, states: StateBytes, precision: str, checkpoi
     """Peak bytes of one GPU at this micro-batch (`per_rank` = global batch / gpus).
     'plain' accumulation: logits (micro, micro x gpus) next to the towers' activations.
     'global': the loss runs alone on (per_rank, global) logits; the towers re-run per micro."""
-    act = sum(activation_bytes_per_sample(_config(spec), precision, checkpointing).values()) * micro
+    act = sum(activation_bytes_per_sample(_config(spec), precision, checkpointing, spec.finetune_json).values()) * micro
     cols = gpus if negatives == "global" else 1
     if accumulation == "global":
         train = max(act, logits_bytes(loss, per_rank, per_rank * cols))
@@ -324,16 +368,19 @@ def step_seconds(spec: ModelSpec, stage: int, offload_optimizer: bool, offload_p
       PCIe     optimizer offload: g Ψ/G per micro-batch out, p Ψ/G per step in; parameter
                offload 2p Ψ/G more per micro-batch; CPU Adam on the node's n Ψ/G parameters."""
     p, g, _ = BYTES[precision]
-    psi, G = spec.params, budget.gpus
-    flops = 6 * (spec.vision_params * spec.vision_tokens + spec.text_params * spec.text_tokens) * per_rank
+    psi, G, t = spec.params, budget.gpus, spec.trainable
+    # forward 2, backward 4 FLOPs per parameter and token; a locked tower runs forward only
+    per_tower = [(spec.vision_params * spec.vision_tokens, spec.tower_trains("vision")),
+                 (spec.text_params * spec.text_tokens, spec.tower_trains("text"))]
+    flops = sum(work * (2 + 4 * trains) for work, trains in per_tower) * per_rank
     flops *= (1 + 2 / 6 * checkpointing + 2 / 6 * (accumulation == "global" and accum > 1))
     compute = flops / (hw.flops / (4 if precision == "fp32" else 1))
     ring = (G - 1) / G
-    net = {1: (g + p) * psi, 2: g * psi * accum + p * psi, 3: (2 * p + g) * psi * accum}[stage] * ring
+    net = {1: g * t + p * t, 2: g * t * accum + p * t, 3: 2 * p * psi * accum + g * t * accum}[stage] * ring
     bw = hw.intra_bw if budget.nodes == 1 else hw.inter_bw
-    part = psi / G
-    pcie = (g * part * accum + p * part) * offload_optimizer + 2 * p * part * accum * offload_param
-    cpu = part * budget.gpus_per_node / hw.cpu_adam if offload_optimizer else 0.0
+    part, tpart = psi / G, t / G
+    pcie = (g * tpart * accum + p * tpart) * offload_optimizer + 2 * p * part * accum * offload_param
+    cpu = tpart * budget.gpus_per_node / hw.cpu_adam if offload_optimizer else 0.0
     return compute + net / bw + pcie / hw.pcie_bw + cpu
 
 
@@ -350,7 +397,7 @@ def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "b
     for prof in map(load_profile, profiles or available_profiles()):
         states = model_state_bytes(spec.params, spec.largest_layer, prof.stage, prof.offload_optimizer,
                                    prof.offload_param, precision, budget.gpus, budget.gpus_per_node,
-                                   prof.strategy.get("zero_optimization"))
+                                   prof.strategy.get("zero_optimization"), trainable=spec.trainable)
         for ac in (False, True):
             def peak(m):
                 return peak_gpu_bytes(spec, states, precision, ac, m, per_rank, budget.gpus, loss,

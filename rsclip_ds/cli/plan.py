@@ -42,6 +42,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--loss", default="siglip", choices=["siglip", "clip"])
     p.add_argument("--negatives", default="global", choices=["global", "local"])
     p.add_argument("--accumulation", default="global", choices=["global", "plain"])
+    p.add_argument("--set", action="append", default=[], metavar="finetune.KEY=VALUE",
+                   help="fine-tuning controls, as for `rsclip-ds train` (locked towers and LoRA have no "
+                   "gradients or optimizer states for their frozen weights), e.g. --set finetune.lock_image=true "
+                   "or --set 'finetune.lora.towers=[image,text]'")
     p.add_argument("--json", action="store_true", help="print rows and the recommendation as JSON")
     p.add_argument("--write-config", type=Path, metavar="PATH",
                    help="write the recommended row's resolved DeepSpeed JSON here and print the launch command")
@@ -53,7 +57,18 @@ def _overrides(row, args) -> list[str]:
     return [f"profile={row.profile}", f"precision={args.precision}", f"model.preset={args.model}",
             f"model.activation_checkpointing={str(row.checkpointing).lower()}",
             f"batch.micro_batch_size={row.micro}", f"batch.gradient_accumulation_steps={row.accumulation}",
-            f"batch.accumulation={args.accumulation}", f"loss.name={args.loss}", f"loss.negatives={args.negatives}"]
+            f"batch.accumulation={args.accumulation}", f"loss.name={args.loss}", f"loss.negatives={args.negatives}",
+            *args.set]
+
+
+def _finetune(args):
+    """The --set fine-tuning controls, validated as the run config validates them."""
+    from rsclip_ds.config import load_config
+
+    wrong = [s for s in args.set if not s.startswith("finetune.")]
+    if wrong:
+        raise ConfigError(f"rsclip-ds plan --set takes finetune.* keys only, not {wrong}")
+    return load_config(None, args.set).finetune
 
 
 def launch_command(row, args, gpus_per_node: int, nodes: int) -> str:
@@ -66,7 +81,7 @@ def _print_table(rows, best, args, spec) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{spec.name} ({spec.params / 1e6:.0f}M params) on {args.nodes} x {args.gpus} GPUs "
+    table = Table(title=f"{spec.name} ({spec.params / 1e6:.0f}M params, {spec.trainable / 1e6:.1f}M trainable) on {args.nodes} x {args.gpus} GPUs "
                         f"of {args.gpu_mem}, global batch {args.global_batch}, {args.precision}")
     for col in ("profile", "act. ckpt", "fits", "GiB/GPU", "CPU GiB/node", "max micro", "micro x accum",
                 "rel. speed"):
@@ -88,7 +103,10 @@ def _print_table(rows, best, args, spec) -> None:
 def run(args) -> int:
     from rsclip_ds.memory import Budget, preset_spec, plan, recommend, scaled_spec
 
-    spec = scaled_spec(args.params) if args.params else preset_spec(args.model)
+    finetune = _finetune(args)
+    if args.params and args.set:
+        raise ConfigError("--set finetune.* needs a --model preset (a --params model has no towers to lock)")
+    spec = scaled_spec(args.params) if args.params else preset_spec(args.model, finetune)
     budget = Budget(args.gpus, args.nodes, parse_bytes(args.gpu_mem),
                     parse_bytes(args.cpu_mem) if args.cpu_mem else None)
     try:
@@ -99,7 +117,8 @@ def run(args) -> int:
     best = recommend(rows)
     command = launch_command(best, args, args.gpus, args.nodes) if best and not args.params else None
     if args.json:
-        print(json.dumps({"model": spec.name, "params": spec.params, "gpus": budget.gpus,
+        print(json.dumps({"model": spec.name, "params": spec.params, "trainable": spec.trainable,
+                          "finetune": finetune.model_dump(), "gpus": budget.gpus,
                           "gpu_bytes": budget.gpu_bytes, "global_batch": args.global_batch,
                           "rows": [r.to_dict() for r in rows],
                           "recommended": best.to_dict() if best else None, "command": command}, indent=2))

@@ -3,6 +3,7 @@ answers for a few budgets (the seed article's 80 GB model on 4 x 24 GB among the
 
 import argparse
 import json
+import math
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 
 from rsclip_ds.memory import (GiB, Budget, _probe, activation_bytes_per_sample, model_state_bytes, plan,
                               preset_spec, recommend, saved_bytes, scaled_spec)
+from rsclip_ds.config import ConfigError
 from rsclip_ds.model import new_dual_encoder, preset_config
 from rsclip_ds.cli.plan import parse_bytes
 from rsclip_ds.cli.plan import register as add_plan_parser
@@ -140,3 +142,52 @@ def test_plan_json_and_written_config(tmp_path, capsys):
     ds = json.loads(out.read_text())
     assert ds["train_batch_size"] == 512 and ds["train_micro_batch_size_per_gpu"] == best["micro"]
     assert ds["zero_optimization"]["stage"] == int(best["profile"][4])
+
+
+# --------------------------------------------------------------------------- fine-tuning controls
+
+def test_the_planner_counts_what_trains_under_locks_and_lora():
+    from rsclip_ds.config import FinetuneConfig, LoraConfig
+    from rsclip_ds.memory import preset_spec
+
+    full = preset_spec("git-rsclip-large")
+    locked = preset_spec("git-rsclip-large", FinetuneConfig(lock_image=True))
+    lora = preset_spec("git-rsclip-large", FinetuneConfig(lora=LoraConfig(towers=["image", "text"], rank=8)))
+    assert full.trainable == full.params
+    assert locked.trainable == full.text_params + 2 and locked.params == full.params
+    # LoRA r=8 on q, k, v, out of 24 + 24 blocks of width 1024: 4 x 2 x 8 x 1024 per block
+    assert lora.trainable == 48 * 4 * 2 * 8 * 1024 + 2 and lora.params == full.params + lora.trainable - 2
+    states = [model_state_bytes(s.params, s.largest_layer, 1, False, False, "bf16", 4, 4, trainable=s.trainable)
+              for s in (full, locked, lora)]
+    # ZeRO-1 bf16: 2 bytes per weight for all, (2 + 12) per trainable element / 4 GPUs
+    for s, st in zip((full, locked, lora), states):
+        assert st.gpu == 2 * s.params + 14 * math.ceil(s.trainable / 4)
+
+
+def test_a_locked_tower_saves_no_activations():
+    from rsclip_ds.config import FinetuneConfig
+    from rsclip_ds.model import preset_config
+
+    config = preset_config("git-rsclip-base")
+    full = activation_bytes_per_sample(config, "bf16")
+    locked = activation_bytes_per_sample(config, "bf16", finetune_json=FinetuneConfig(lock_image=True).model_dump_json())
+    assert locked["vision"] == 0 and locked["text"] == full["text"] > 0
+
+
+def test_plan_takes_finetune_sets_only(capsys):
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers(dest="command"))
+    base = ["plan", "--gpus", "4", "--gpu-mem", "24GiB", "--global-batch", "256", "--json"]
+
+    def planned(*sets):
+        capsys.readouterr()
+        assert cmd_plan(parser.parse_args(base + [a for s in sets for a in ("--set", s)])) == 0
+        out = capsys.readouterr().out
+        return json.loads(out[out.index("{"):])
+
+    full, locked = planned(), planned("finetune.lock_image=true")
+    assert locked["trainable"] < full["trainable"] == full["params"]
+    assert locked["recommended"]["gpu_gib"] < full["recommended"]["gpu_gib"]
+    assert "--set finetune.lock_image=true" in locked["command"]
+    with pytest.raises(ConfigError, match="finetune"):
+        cmd_plan(parser.parse_args(base + ["--set", "steps=3"]))
