@@ -76,13 +76,18 @@ class ModelSpec:
         return self.trainable_vision + self.trainable_text + 2
 
     def tower_trains(self, tower: str) -> float:
-        """0 for a locked tower (forward only), 1 for a trained one; a LoRA tower back-propagates
-        through its activations but makes no weight gradients of its frozen matrices: 2/3."""
+        """The share of a tower's backward work: its trainable fraction (a locked tower runs
+        forward only; with its last N blocks unlocked, backward stops below them); a LoRA tower
+        back-propagates through all its activations but makes no weight gradients of its frozen
+        matrices: 1/2 (activation gradients are half of backward's 4 FLOPs per parameter)."""
         ft = json.loads(self.finetune_json)
         if tower in ft.get("lora", {}).get("towers", []):
-            return 2 / 3
-        trained = self.trainable_vision if tower == "vision" else self.trainable_text
-        return 0.0 if trained == 0 else 1.0
+            return 0.5
+        if self.trainable_vision < 0:
+            return 1.0
+        trained, total = ((self.trainable_vision, self.vision_params) if tower == "vision"
+                          else (self.trainable_text, self.text_params))
+        return trained / total
 
 
 def _meta_model(config, finetune_json: str = "{}"):
