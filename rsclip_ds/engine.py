@@ -55,13 +55,15 @@ def set_fp32_masters(engine, folder: Path) -> int:
     rounded value; the first step refreshes it from the masters. Returns the tensors set."""
     from safetensors import safe_open
 
-    params = dict(engine.module.named_parameters())
+    params = {name: p for name, p in engine.module.named_parameters() if p.requires_grad}
     done = 0
     for path in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                if key in params:
-                    _set_master(params[key], f.get_tensor(key).float())
+                param = params.get(key)   # frozen and LoRA-wrapped weights have no master
+                shape = tuple(getattr(param, "ds_shape", None) or param.shape) if param is not None else None
+                if shape == tuple(f.get_slice(key).get_shape()):   # not a table resized since the load
+                    _set_master(param, f.get_tensor(key).float())
                     done += 1
     return done
 

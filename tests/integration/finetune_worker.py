@@ -30,8 +30,15 @@ CAPTIONS = ["a satellite photo of forest.", "a satellite photo of a river.", "an
 
 
 def _full_params(module) -> dict[str, torch.Tensor]:
+    """Trainable: the optimizer's fp32 master (a bf16 copy can miss small steps); frozen: the
+    module's weight (it has no master). Collective: every rank calls it."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
     out = {}
     for name, param in module.named_parameters():
+        if param.requires_grad:
+            out[name] = safe_get_full_fp32_param(param).float().cpu().clone()
+            continue
         with maybe_gathered([param]):
             out[name] = param.detach().float().cpu().clone()
     return out

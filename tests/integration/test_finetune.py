@@ -3,7 +3,7 @@ from a folder of the published Git-RSCLIP shape:
 
     zero1  image tower locked but its last block; per-tower LRs, text layer decay, logit LR
     zero2  LoRA on the image tower (attention + MLP); text tower locked
-    zero3  LoRA on the text tower; image tower locked; trained at 48 px (the folder's is 32)
+    zero3  LoRA on the text tower; image tower locked; trained at 48 px (the folder's is 32); bf16
 
 Each checks: exactly the trainable parameters changed, the locked ones are bit-identical; the
 optimizer holds state for the trainable elements only (+ DeepSpeed's alignment padding); the
@@ -31,7 +31,7 @@ RUNS = {
     "zero1": ["finetune.lock_image=true", "finetune.lock_image_unlocked_layers=1", "optim.image_lr=1e-3",
               "optim.text_layer_decay=0.5", "optim.logit_lr=1e-2"],
     "zero2": ["finetune.lora.towers=[image]", "finetune.lora.mlp=true", "finetune.lock_text=true"],
-    "zero3": ["finetune.lora.towers=[text]", "finetune.lock_image=true", "finetune.image_size=48"],
+    "zero3": ["finetune.lora.towers=[text]", "finetune.lock_image=true", "finetune.image_size=48", "precision=bf16"],
 }
 
 
@@ -115,8 +115,9 @@ def test_the_export_gives_the_engines_embeddings(runs, profile, tmp_path):
     with torch.no_grad():
         image = torch.nn.functional.normalize(model.get_image_features(pixel_values=probe["pixels"]).pooler_output, dim=-1)
         text = torch.nn.functional.normalize(model.get_text_features(input_ids=probe["ids"]).pooler_output, dim=-1)
-    torch.testing.assert_close(image, probe["image"], atol=1e-5, rtol=0)
-    torch.testing.assert_close(text, probe["text"], atol=1e-5, rtol=0)
+    atol = 3e-2 if "precision=bf16" in RUNS[profile] else 1e-5   # the engine's forward in bf16
+    torch.testing.assert_close(image, probe["image"], atol=atol, rtol=0)
+    torch.testing.assert_close(text, probe["text"], atol=atol, rtol=0)
     size = 48 if profile == "zero3" else IMAGE_SIZE
     assert result["image_size"] == size and model.config.vision_config.image_size == size
     assert build_model(ModelConfig(pretrained=str(exported)), seed=0).image_size == size   # evaluation's size
