@@ -41,12 +41,15 @@ def deadline(seconds):
         signal.signal(signal.SIGALRM, old)
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0, poll: float = 0.01) -> None:
-    """Return as soon as condition() is true; fail naming `what` after `timeout` seconds.
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0, poll: float = 0.01,
+             detail: Callable[[], str] | None = None) -> None:
+    """Return as soon as condition() is true; fail naming `what` (and detail(), e.g. an output
+    tail) after `timeout` seconds.
 
     The poll interval only bounds how late we notice; it is never what makes a test pass."""
     end = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}"
+                                 + (f"\n{detail()}" if detail else ""))
         time.sleep(poll)

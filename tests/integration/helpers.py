@@ -1,15 +1,20 @@
-"""Helpers for the launch tests: the command line of a `deepspeed` run on CPU ranks and its
-environment. Import them from here (`from tests.integration.helpers import ...`), never from a
-test file; the fixtures that use them live in conftest.py."""
+"""Helpers for the launch tests: the command line of a `deepspeed` run on CPU ranks, its
+environment, and timing a job from its output. Import them from here
+(`from tests.integration.helpers import ...`), never from a test file; the fixtures that use them
+live in conftest.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -80,3 +85,53 @@ def launch_run(data: dict, out: Path, *overrides: str, timeout: int = 300,
     cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port())]
     cmd += train_args(data, out, CHECKPOINT_RUN + list(overrides)) + list(extra)
     return subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout)
+
+
+class TimedJob:
+    """A launcher started in its own session whose merged output a thread reads line by line,
+    stamping each line with time.monotonic() as it arrives: durations between a log line and the
+    job's exit are measured on this clock, not from the wall-clock times in the log (which have
+    whole seconds and wrap at midnight)."""
+
+    def __init__(self, cmd: list[str]):
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[tuple[float, str]] = []   # (monotonic time read, line)
+        self.exited_at: float | None = None
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line))
+
+    def wait(self, timeout: float) -> int:
+        """Wait for the launcher to exit; its time is `exited_at`. Returns its exit code."""
+        code = self.proc.wait(timeout=timeout)
+        self.exited_at = time.monotonic()
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL whatever is left of the launcher's session (the launcher, ranks, workers)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:   # nothing left
+            pass
+        self.proc.wait()
+
+    def finish_output(self, timeout: float = 60) -> str:
+        """All output, once every process of the job has closed the pipe."""
+        self._reader.join(timeout)
+        assert not self._reader.is_alive(), "a process of the job still holds its output open"
+        return self.text
+
+    @property
+    def text(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def time_of(self, pattern: str) -> float:
+        """When the first line matching the regex `pattern` was read."""
+        for t, line in self.lines:
+            if re.search(pattern, line):
+                return t
+        raise AssertionError(f"no output line matching {pattern!r}; tail:\n{self.text[-3000:]}")

@@ -7,12 +7,7 @@ interrupted-and-resumed run must reproduce its losses bit for bit and its final 
 
 from __future__ import annotations
 
-import os
-import re
-import signal
 import subprocess
-import time
-from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -20,8 +15,8 @@ import torch
 
 from rsclip_ds.checkpoint import (META, POINTER, consolidated_state_dict, read_pointer,
                                   resolve_checkpoint)
-from tests.integration.helpers import (CHECKPOINT_RUN, ROOT, deepspeed_cmd, free_port, launch_env, launch_run,
-                                     summary, train_args)
+from tests.integration.helpers import (CHECKPOINT_RUN, TimedJob, deepspeed_cmd, free_port, launch_run, summary,
+                                     train_args)
 
 pytestmark = pytest.mark.slow
 
@@ -78,23 +73,19 @@ def test_resume_is_exact_and_a_kill_inside_a_save_keeps_the_previous_checkpoint(
     assert (root / POINTER).read_text().strip() == "step00000008"
 
 
-def _log_time(text: str, pattern: str) -> float:
-    """Seconds-of-day of the first log line matching pattern ('[HH:MM:SS rankN] ...')."""
-    m = re.search(r"\[(\d\d):(\d\d):(\d\d) rank\d\] " + pattern, text)
-    assert m, f"no log line matching {pattern!r}"
-    h, mi, se = map(int, m.groups())
-    return h * 3600 + mi * 60 + se
-
-
 def test_sigkilled_rank_brings_the_job_down_and_resume_loses_only_steps_since_the_checkpoint(
         launch_data, reference, tmp_path):
     out = tmp_path / "run"
-    killed = launch_run(launch_data, out, "faults.inject_kill_at_step=7")
-    end = datetime.now()
-    text = killed.stdout + killed.stderr
-    assert killed.returncode != 0
-    down = end.hour * 3600 + end.minute * 60 + end.second + end.microsecond / 1e6 - \
-        _log_time(text, "fault injection: rank 1 sends itself SIGKILL at step 7")
+    cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port())]
+    job = TimedJob(cmd + train_args(launch_data, out, CHECKPOINT_RUN + ["faults.inject_kill_at_step=7"]))
+    try:
+        code = job.wait(timeout=300)
+        text = job.finish_output()   # fails if a rank outlived the launcher
+    finally:
+        job.kill()
+    assert code != 0, text[-4000:]
+    # on the test's monotonic clock: the rank logs this line just before it SIGKILLs itself
+    down = job.exited_at - job.time_of(r"rank1\] fault injection: rank 1 sends itself SIGKILL at step 7")
     print(f"job down {down:.1f} s after the SIGKILL")   # measured: see docs/checkpoints.md
     assert down < 30, f"the job took {down:.0f} s to go down after a rank died"
     assert read_pointer(out / "checkpoints") == "step00000004"
@@ -113,27 +104,22 @@ def test_frozen_rank_is_detected_by_the_heartbeat_within_the_peer_timeout(launch
     hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
     port, out = free_port(), tmp_path / "run"
     sets = ["faults.inject_freeze_at_step=5", "faults.peer_timeout_s=5", "faults.heartbeat_s=0.5"]
-    procs = []
-    for node_rank in (0, 1):
-        cmd = deepspeed_cmd() + ["--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node_rank),
-                                 "--master_addr", "127.0.0.1", "--master_port", str(port)]
-        cmd += train_args(launch_data, out, CHECKPOINT_RUN + sets)
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    jobs = []
     try:
-        text = procs[0].communicate(timeout=300)[0]
-        end = datetime.now()
+        for node_rank in (0, 1):
+            cmd = deepspeed_cmd() + ["--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node_rank),
+                                     "--master_addr", "127.0.0.1", "--master_port", str(port)]
+            jobs.append(TimedJob(cmd + train_args(launch_data, out, CHECKPOINT_RUN + sets)))
+        code = jobs[0].wait(timeout=300)
     finally:
-        for p in procs:   # node b's rank is stopped: kill its whole session
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    freeze = re.search(r"\[(\d\d):(\d\d):(\d\d) rank1\] fault injection", procs[1].stdout.read())
-    assert freeze, "rank 1 did not reach the fault"
-    h, m, s = map(int, freeze.groups())
-    down = end.hour * 3600 + end.minute * 60 + end.second + end.microsecond / 1e6 - (h * 3600 + m * 60 + s)
+        for job in jobs:   # node b's rank is stopped: kill its whole session
+            job.kill()
+    node_a = jobs[0].finish_output()
+    jobs[1].finish_output()
+    # on the test's monotonic clock: rank 1 logs this line just before it SIGSTOPs itself
+    down = jobs[0].exited_at - jobs[1].time_of(r"rank1\] fault injection")
     print(f"node a down {down:.1f} s after rank 1 froze (peer timeout 5 s)")
-    assert procs[0].returncode == 4, text[-4000:]
-    assert "rank(s) [1] sent no heartbeat for 5 s" in text
+    assert code == 4, node_a[-4000:]
+    assert "rank(s) [1] sent no heartbeat for 5 s" in node_a
     assert down < 5 + 10, f"node a took {down:.0f} s to give up on a frozen rank"
     assert read_pointer(out / "checkpoints") == "step00000004"

@@ -67,8 +67,11 @@ def test_eval_checkpoint_two_ranks_equals_exported_folder(cluster_run):
     run_checked([sys.executable, "-m", "rsclip_ds", "eval", "--model", str(tmp / "export"),
                  "--out", str(tmp / "folder.json")] + data, timeout=300)
     from_folder = json.loads((tmp / "folder.json").read_text())
+    compared = []
     for group in ("zero_shot", "retrieval"):
         for key, value in from_ckpt[group].items():
             if isinstance(value, float):
                 assert from_folder[group][key] == pytest.approx(value, abs=1e-6), (group, key)
+                compared.append(f"{group}/{key}")
+    assert {"zero_shot/top1", "retrieval/t2i_R@1", "retrieval/i2t_R@1"} <= set(compared), compared
     assert from_folder["zero_shot"]["per_class"] == pytest.approx(from_ckpt["zero_shot"]["per_class"])

@@ -5,15 +5,15 @@ from __future__ import annotations
 import math
 import signal
 import subprocess
-import time
 
 import psutil
 import pytest
 import torch
 
 from rsclip_ds.checkpoint import META, consolidated_state_dict, read_pointer, tag_for
-from tests.integration.helpers import (CHECKPOINT_RUN, ROOT, deepspeed_cmd, free_port, launch_env, launch_run,
-                                     summary, train_args)
+from tests.helpers import wait_for
+from tests.integration.helpers import (CHECKPOINT_RUN, TimedJob, deepspeed_cmd, free_port, launch_run, summary,
+                                     train_args)
 
 pytestmark = pytest.mark.slow
 
@@ -32,24 +32,17 @@ def test_sigterm_saves_on_every_rank_and_exits_75(launch_data, tmp_path):
     cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port())]
     cmd += train_args(launch_data, out,
                       CHECKPOINT_RUN + ["steps=400", "checkpoint.every=0", "faults.stop_check_every=1"])
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    lines, deadline = [], time.monotonic() + 300
+    job = TimedJob(cmd)
     try:
-        for line in proc.stdout:
-            lines.append(line)
-            if "rank0] step 4/400" in line:
-                break
-            assert time.monotonic() < deadline, "".join(lines[-50:])
-        else:
-            pytest.fail("".join(lines[-80:]))
-        psutil.Process(_rank_pid(proc, 0)).send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=240)
+        wait_for(lambda: "rank0] step 4/400" in job.text or job.proc.poll() is not None,
+                 "rank 0 to log step 4", timeout=300, poll=0.1, detail=lambda: job.text[-4000:])
+        assert job.proc.poll() is None, job.text[-4000:]
+        psutil.Process(_rank_pid(job.proc, 0)).send_signal(signal.SIGTERM)
+        code = job.wait(timeout=240)
+        text = job.finish_output()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = "".join(lines) + rest
-    assert proc.returncode == 75, text[-4000:]
+        job.kill()
+    assert code == 75, text[-4000:]
     assert "received SIGTERM" in text and "Preempted: stopped by SIGTERM" in text
     s = summary(out)
     step = s["optimizer_steps"]
