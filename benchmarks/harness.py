@@ -1,7 +1,7 @@
 """What every benchmark script repeats, so that each script holds only what it measures:
 arguments (--out, --tiny, --threads, the launcher's --local_rank), the process group, the
 environment record, reductions over ranks, the rank-0 report (JSON + PNG + tables), synthetic
-shards, and sub-runs in fresh processes.
+shards, and sub-runs in fresh processes (one plain process, or a `deepspeed` launch of N ranks).
 
 The scripts run by path (`deepspeed ... benchmarks/X.py`), so their folder is sys.path[0] and
 this imports as `harness`.
@@ -14,6 +14,8 @@ import json
 import logging
 import os
 import platform
+import shutil
+import socket
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -178,20 +180,45 @@ def synthetic_data(root: Path, rank: int, *, num_train: int, num_val: int, shard
 
 # --------------------------------------------------------------------------- sub-runs
 
-def run_script(script: Path, args: list[str], result: Path, timeout: float) -> dict:
+def run_script(script: Path, args: list[str], result: Path, timeout: float, *, ranks: int | None = None,
+               env: dict[str, str | None] | None = None) -> dict:
     """`python script args` in a fresh process with no launcher variables (it makes its own
-    one-rank group) -> the JSON it wrote to `result`, or {"ok": False, "error": ...} when it
-    failed, wrote nothing or ran out of time."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    one-rank group), or with `ranks`: `deepspeed --num_gpus ranks script args` on a free port ->
+    the JSON it wrote to `result`, or {"ok": False, "error": ...} when it failed, wrote nothing
+    or ran out of time. `env` sets variables of the launched processes (None: unset). A launch
+    adds "leaked_shm": DeepSpeed's CPU all-reduce buffers of its port left in /dev/shm."""
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, str(script), *args]
+        environ.pop(key, None)
+    for key, value in (env or {}).items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
+    port = _free_port()
+    launcher = [sys.executable] if ranks is None else \
+        _deepspeed_cmd() + ["--num_gpus", str(ranks), "--master_port", str(port)]
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(launcher + [str(script), *args], env=environ, capture_output=True, text=True,
+                              timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"timed out after {timeout:.0f}s"}
     if proc.returncode != 0 or not result.is_file():
         return {"ok": False, "error": f"exit {proc.returncode}",
                 "output_tail": (proc.stdout + proc.stderr).strip().splitlines()[-15:]}
-    return json.loads(result.read_text())
+    out = json.loads(result.read_text())
+    if ranks is not None:
+        out["leaked_shm"] = sorted(str(p) for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    return out
+
+
+def _deepspeed_cmd() -> list[str]:
+    exe = shutil.which("deepspeed")
+    return [exe] if exe else [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -6,6 +6,12 @@
 Writes the JSON given by --out and a PNG beside it (same name, .png); rank 0 prints the table.
 On 2 CPU ranks of a 2-core machine the tiny preset takes ~1 minute, mostly engine builds.
 
+    DS_ACCELERATOR=cpu python benchmarks/memory.py --build-rss --out benchmarks/results/build_rss.json
+
+measures instead the host memory (VmHWM / VmRSS) each rank needs to build a ZeRO-3 run of
+git-rsclip-base, model built whole against inside deepspeed.zero.Init, launching its own ranks
+once per variant: see benchmarks/memory_build.py.
+
 For every profile in ds_profiles/ the process builds the engine, loss and activation
 checkpointing a run gets (`rsclip_ds.trainer.Trainer(run, model=..., loader=...).build()`; the
 model is `rsclip_ds.model.preset_bundle` with the preset's own vocabulary, as `memory.preset_spec`
@@ -64,6 +70,7 @@ import torch.distributed as dist
 
 from harness import (base_parser, environment, finish, max_over_ranks, process_group, pyplot, rank0_print,
                      save_figure)
+import memory_build
 from memory_counting import measured_step
 from rsclip_ds import memory
 from rsclip_ds.config import load_config
@@ -241,12 +248,23 @@ def plot(report: dict, path: Path) -> str | None:
 
 def parse_args(argv):
     parser = base_parser(__doc__)
-    parser.add_argument("--preset", default="tiny", help="model preset (rsclip_ds.model.PRESETS)")
-    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--preset", default=None, help="model preset (rsclip_ds.model.PRESETS); default tiny, "
+                                                      "git-rsclip-base with --build-rss")
+    parser.add_argument("--precision", nargs="+", default=None, choices=("fp32", "bf16"),
+                        help="one (default fp32); --build-rss runs each given (default: bf16 fp32)")
     parser.add_argument("--micro", type=int, default=4, help="samples per rank per micro-batch")
     parser.add_argument("--steps", type=int, default=3, help="train steps before the measured one")
     parser.add_argument("--profiles", nargs="*", default=None, help="default: every ds_profiles/*.json")
-    return parser.parse_args(argv)
+    memory_build.add_arguments(parser)
+    args = parser.parse_args(argv)
+    build = args.build_rss or args.build_rss_worker
+    args.preset = args.preset or ("git-rsclip-base" if build else "tiny")
+    args.precision = args.precision or (["bf16", "fp32"] if build else ["fp32"])
+    if not build:
+        if len(args.precision) > 1:
+            parser.error("--precision takes one value here (several only with --build-rss)")
+        args.precision = args.precision[0]
+    return args
 
 
 COMPARED = {"gpu": "accelerator-role params + grads (before step) + optimizer vs StateBytes.gpu",
@@ -260,6 +278,8 @@ COMPARED = {"gpu": "accelerator-role params + grads (before step) + optimizer vs
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.build_rss or args.build_rss_worker:
+        return memory_build.main(args)
     with process_group(args.threads) as info:
         t0 = time.perf_counter()
         rows = []

@@ -6,6 +6,10 @@ the parameter count Ψ of the model (counted by this test, not taken from the re
 textbook ZeRO layout per role (fp32 weights 4 bytes, Adam's fp32 master + m + v 12 bytes per
 parameter, partitioned over W ranks where the stage says so), `rsclip_ds.memory.model_state_bytes`
 for the totals, and `activation_bytes_per_sample` for the saved activations.
+
+`--build-rss` (two more launches, ~1 minute, fp32, glibc's default allocator only) measures the host
+memory of building a ZeRO-3 run with the model built whole and inside deepspeed.zero.Init; the
+tests check the parameter bytes each rank held after each build against 4Ψ and 4Ψ/W.
 """
 
 from __future__ import annotations
@@ -94,3 +98,51 @@ def test_activations_match_the_memory_model(report, profile):
     per_sample = memory.activation_bytes_per_sample(preset_config("tiny"), "fp32", prof.activation_checkpointing)
     assert row["activations"]["measured"] == pytest.approx(sum(per_sample.values()) * MICRO, rel=0.15), \
         row["activations"]
+
+
+# --------------------------------------------------------------------------- --build-rss
+
+@pytest.fixture(scope="module")
+def build_report(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("build_rss")
+    return run_benchmark("memory.py", "--build-rss", "--preset", "tiny", "--precision", "fp32",
+                         "--mmap-threshold", "default", "--ranks", str(W), out=tmp / "build_rss.json", ranks=None,
+                         timeout=300)
+
+
+def _variant(report: dict, build: str) -> dict:
+    return next(v for v in report["variants"] if v["build"] == build)
+
+
+def test_build_rss_launched_both_builds_on_two_ranks(build_report, psi):
+    assert [(v["precision"], v["build"]) for v in build_report["variants"]] == [("fp32", "whole"),
+                                                                               ("fp32", "zero.Init")]
+    for v in build_report["variants"]:
+        assert v["ok"], v
+        assert v["world_size"] == W and len(v["ranks"]) == W
+        assert v["parameters"] == psi and v["profile"] == "zero3" and v["allocator"] == "default"
+        assert v["leaked_shm"] == []
+
+
+def test_whole_build_holds_the_model_on_every_rank_zero_init_its_partition(build_report, psi):
+    """After the model build: 4Ψ (fp32) on every rank when built whole, about 4Ψ/W inside
+    zero.Init (each parameter split in W, padded by at most W-1 elements). After the engine build
+    both hold the same partitions (tiny's parameters are all under the persistence threshold, but
+    ZeRO-3 gathers those only in the first forward)."""
+    whole, zero_init = _variant(build_report, "whole"), _variant(build_report, "zero.Init")
+    for rank in range(W):
+        assert whole["ranks"][rank]["model"]["params_held"] == 4 * psi
+        held = zero_init["ranks"][rank]["model"]["params_held"]
+        assert 4 * psi / W <= held <= 0.55 * 4 * psi, held
+        engine = whole["ranks"][rank]["engine"]["params_held"]
+        assert engine == zero_init["ranks"][rank]["engine"]["params_held"]
+        assert engine == pytest.approx(4 * psi / W, rel=0.01)
+
+
+def test_build_rss_readings_are_high_water_marks(build_report):
+    """VmHWM never falls from one reading to the next and is never below VmRSS."""
+    for v in build_report["variants"]:
+        for r in v["ranks"]:
+            hwm = [r[stage]["hwm"] for stage in ("start", "model", "engine")]
+            assert hwm == sorted(hwm), hwm
+            assert all(r[stage]["rss"] <= r[stage]["hwm"] for stage in ("start", "model", "engine")), r
