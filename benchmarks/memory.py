@@ -78,7 +78,7 @@ from rsclip_ds.engine import engine_dtype
 from rsclip_ds.model import preset_bundle
 from rsclip_ds.profiles import available_profiles
 from rsclip_ds.train import train_step
-from rsclip_ds.trainer import Trainer, check_run
+from rsclip_ds.trainer import Trainer
 
 MODEL_TOL, ACT_TOL = 0.10, 0.15
 ROLES = ("params", "grads", "optimizer")
@@ -107,12 +107,11 @@ def run_profile(name: str, args, on_gpu: bool) -> dict:
         run = load_config(None, [f"profile={name}", f"precision={args.precision}", f"model.preset={args.preset}",
                                  f"batch.micro_batch_size={args.micro}", f"steps={args.steps + 1}",
                                  "optim.warmup_steps=0", f"output_dir={out_dir}", "checkpoint.at_end=false"])
-        _, ds_config = check_run(run, shards=False)
         if on_gpu:
-            torch.cuda.reset_peak_memory_stats()   # ZeRO-3 builds the partitions on the device
+            torch.cuda.reset_peak_memory_stats()
         # No tokenizer: the batches carry token ids, and nothing Trainer.build runs here reads one
         # (our loader, no evaluation, no checkpoint saved: write_hf_extras would need it).
-        bundle = preset_bundle(args.preset, None, run.seed, ds_config=ds_config, own_vocabulary=True)
+        bundle = preset_bundle(args.preset, None, run.seed, own_vocabulary=True)   # whole, as runs build presets
         config = bundle.model.config
         seeds = [100 * step + rank for step in range(args.steps)] + [99 + rank]   # the last one is counted
         with Trainer(run, model=bundle, loader=random_batches(config, args.micro, seeds)) as trainer:

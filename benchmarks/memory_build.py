@@ -1,7 +1,8 @@
 """Host memory of building a ZeRO-3 run, per rank: the model built whole (`preset_bundle` without
 the DeepSpeed config: each rank first holds the full fp32 model, 4Ψ bytes, which the engine then
-partitions) against built inside deepspeed.zero.Init (`preset_bundle(..., ds_config=)`, what
-`Trainer` does under ZeRO-3: each rank holds only its partition from the start). The
+partitions; what runs do for presets) against built inside deepspeed.zero.Init
+(`preset_bundle(..., ds_config=)`; what `Trainer` does for a pretrained model under ZeRO-3: each
+rank holds only its partition from the start). The
 `--build-rss` mode of memory.py:
 
     DS_ACCELERATOR=cpu python benchmarks/memory.py --build-rss --out benchmarks/results/build_rss.json

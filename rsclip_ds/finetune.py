@@ -181,7 +181,8 @@ def param_groups(model, optim: OptimConfig, lr_factor: float = 1.0) -> list[dict
         depth = blocks.get(tower, 0) + 1
         layer = layer_of(name, depth - 1) if tower != "logit" else depth
         lr = base[tower] * lr_factor * decay[tower] ** (depth - layer)
-        wd = optim.weight_decay if param.ndim >= 2 else 0.0
+        ndim = len(getattr(param, "ds_shape", param.shape))   # ZeRO-3 partitions are flat: the real shape
+        wd = optim.weight_decay if ndim >= 2 else 0.0
         key = (round(lr, 15), wd)
         if key not in groups:
             groups[key] = {"params": [], "lr": lr, "weight_decay": wd}

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from tests.integration.conftest import ROOT, deepspeed_cmd, free_port, run_checked
+from tests.integration.helpers import ROOT, deepspeed_cmd, free_port, run_checked
 
 
 def run_benchmark(script: str, *args: str, out: Path, ranks: int | None = 2, timeout: int = 600) -> dict:

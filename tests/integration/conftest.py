@@ -7,9 +7,6 @@ import pytest
 from rsclip_ds.data.synthetic import make_synthetic
 from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
 from tests.integration.helpers import launch_summary
-# Re-exported for the benchmark tests, which import these from here; new code imports them from
-# tests.integration.helpers.
-from tests.integration.helpers import ROOT, deepspeed_cmd, free_port, launch_env, run_checked  # noqa: F401
 
 
 @pytest.fixture(scope="session")
