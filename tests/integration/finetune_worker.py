@@ -68,8 +68,11 @@ def main() -> None:
         before = _full_params(engine.module)
         opt = engine.optimizer   # ZeRO-1/2 keep the groups' parameters in bit16_groups, ZeRO-3 in fp16_groups
         members = getattr(opt, "bit16_groups", None) or getattr(opt, "fp16_groups")
-        groups = [{"peak_lr": lr, "elements": sum(getattr(p, "ds_numel", p.numel()) for p in params)}
-                  for lr, params in zip(engine.lr_scheduler.org_lrs, members)]
+        groups = [{"peak_lr": lr, "weight_decay": g["weight_decay"],
+                   "elements": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+                   "matrices": sum(getattr(p, "ds_numel", p.numel()) for p in params
+                                   if len(getattr(p, "ds_shape", p.shape)) >= 2)}
+                  for lr, g, params in zip(engine.lr_scheduler.org_lrs, opt.param_groups, members)]
         trainable = {n for n, p in engine.module.named_parameters() if p.requires_grad}
         summary = trainer.train()
         for group, lr in zip(groups, engine.get_lr()):   # every group on the same schedule

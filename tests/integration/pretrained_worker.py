@@ -73,6 +73,13 @@ def main() -> None:
         held_per_rank = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
         dist.all_gather(held_per_rank, torch.tensor([float(held)], dtype=torch.float64))
         master_diff = _master_vs_folder(engine, args.folder)
+        opt = engine.optimizer   # ZeRO-1/2 keep the groups' parameters in bit16_groups, ZeRO-3 in fp16_groups
+        members = getattr(opt, "bit16_groups", None) or getattr(opt, "fp16_groups")
+        decay = [{"weight_decay": g["weight_decay"],
+                  "matrices": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params
+                                  if len(getattr(p, "ds_shape", p.shape)) >= 2),
+                  "elements": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in params)}
+                 for g, params in zip(opt.param_groups, members)]
         pixels = _probe_pixels(args.folder)
         ids = tokenize(bundle.tokenizer, CAPTIONS, bundle.max_text_length)
         engine.eval()
@@ -85,7 +92,7 @@ def main() -> None:
                        args.out / "embeddings.pt")
             (args.out / "result.json").write_text(json.dumps({
                 "held_per_rank": [int(h.item()) for h in held_per_rank], "parameters": bundle.num_parameters(),
-                "master_vs_folder": master_diff, "summary": summary}, indent=2))
+                "master_vs_folder": master_diff, "groups": decay, "summary": summary}, indent=2))
 
 
 if __name__ == "__main__":

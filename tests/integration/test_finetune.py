@@ -95,6 +95,9 @@ def test_optimizer_state_and_groups_cover_the_trainable_elements_only(runs, prof
     trainable = result["trainable_elements"]
     assert sum(g["elements"] for g in result["groups"]) == trainable
     assert trainable <= result["state_elements"] <= trainable + 2 * 16 * len(result["groups"])  # alignment
+    for group in result["groups"]:   # decay on matrices only (under ZeRO-3 too, where tensors are flat)
+        assert group["matrices"] == (group["elements"] if group["weight_decay"] > 0 else 0), group
+    assert any(g["weight_decay"] > 0 and g["elements"] for g in result["groups"])
     ratios = {round(g["last_lr"] / g["peak_lr"], 9) for g in result["groups"] if g["elements"]}
     assert len(ratios) == 1 and 0 < ratios.pop() < 1   # one schedule, mid-way (cosine to 0.5 x peak)
     if profile == "zero1":

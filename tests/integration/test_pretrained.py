@@ -87,6 +87,10 @@ def _reference_embeddings(folder, probe):
 
 
 def _check_training(result, folder, precision):
+    # weight decay on the matrices, none on vectors (ZeRO-3's flat partitions judged by their real shape)
+    decayed = [g for g in result["groups"] if g["weight_decay"] > 0]
+    assert decayed and all(g["matrices"] == g["elements"] for g in decayed)
+    assert all(g["matrices"] == 0 for g in result["groups"] if g["weight_decay"] == 0)
     summary = result["summary"]
     if summary["profile"] == "zero1":
         assert summary["model"] == f"lcybuaa/Git-RSCLIP@{COMMIT[:12]} (hub)", summary["model"]
