@@ -5,8 +5,8 @@
 
 Writes the JSON given by --out and a PNG beside it; rank 0 prints the tables. The full run takes
 ~8 minutes on 2 CPU ranks of a 2-core machine; --tiny ~2 minutes (start-up and engine builds).
-Needs `accelerate` for the Trainer column (`pip install accelerate`, or `pip install
-rsclip_ds[bench]`); without it that column is skipped with a note.
+The Trainer column uses `accelerate`, which rsclip_ds installs (transformers' DeepSpeed
+integration needs it); `--no-trainer` skips that column.
 
 Same model (tiny preset), profile (zero2), precision, synthetic shards, micro-batch, number of
 steps and batches (every loop builds a fresh model and loader with the same seeds, so each sees
@@ -57,8 +57,6 @@ from rsclip_ds.trainer import Trainer
 from throughput_loops import LOOPS, Ctx, TimedBatches, loop_ours, run_config
 from throughput_report import plot, print_tables
 
-ACCELERATE_MISSING = ("the Hugging Face Trainer needs `accelerate`: pip install accelerate "
-                      "(or pip install -e '.[bench]'); the trainer column is skipped")
 RATIOS = (("ours", "bare"), ("ours", "trainer"), ("ours_local", "trainer"), ("trainer", "bare"))
 
 
@@ -260,15 +258,9 @@ def bench_config(args) -> BenchConfig:
 
 
 def loops_to_run(no_trainer: bool) -> tuple[list[str], list[str]]:
-    """-> (loop names, notes): the HF Trainer column only where asked for and installed."""
-    try:
-        import accelerate  # noqa: F401
-        missing = False
-    except ImportError:
-        missing = True
-    if no_trainer or missing:
-        return [n for n in LOOPS if n != "trainer"], \
-            ["--no-trainer: the trainer column is skipped" if no_trainer else ACCELERATE_MISSING]
+    """-> (loop names, notes): the HF Trainer column unless --no-trainer."""
+    if no_trainer:
+        return [n for n in LOOPS if n != "trainer"], ["--no-trainer: the trainer column is skipped"]
     return list(LOOPS), []
 
 
