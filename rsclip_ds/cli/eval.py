@@ -100,6 +100,10 @@ def _load_for_eval(args, loss: str = "siglip"):
     hf = Path(root) / tag / "hf"   # the checkpoint's own model config + tokenizer, when it has them
     bundle = _bundle_from_hf_folder(hf, run.loss.name) if (hf / "config.json").is_file() else \
         build_model(run.model, run.seed, loss=run.loss.name)
+    if run.finetune.lora.towers:   # the adapters merged, as `rsclip-ds export` writes them
+        from rsclip_ds.finetune import merge_lora_state
+
+        state = merge_lora_state(state, run.finetune.lora)
     bundle.model.load_state_dict(state)
     step = int(m.group(1)) if (m := re.fullmatch(r"step(\d+)", str(tag))) else None
     ds_path = Path(root).parent / "ds_config.json"

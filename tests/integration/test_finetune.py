@@ -14,6 +14,7 @@ optimizer's groups carry the expected peak learning rates and follow one schedul
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -45,8 +46,10 @@ def shards(tmp_path_factory):
     from rsclip_ds.data.synthetic import make_synthetic
 
     out = tmp_path_factory.mktemp("finetune_data")
-    return make_synthetic(out, num_train=256, num_val=16, shard_size=64, image_size=64, seed=0,
-                          progress=False)["train_pattern"]
+    index = make_synthetic(out, num_train=256, num_val=16, shard_size=64, image_size=64, seed=0,
+                           progress=False, eval_layout=True)
+    return {"train": index["train_pattern"], "classes": str(out / "eval" / "classes"),
+            "captions": str(out / "eval" / "captions.json")}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,7 @@ def runs(folder, shards, tmp_path_factory):
             out = tmp_path_factory.mktemp(profile)
             sets = [a for s in [f"profile={profile}", *RUNS[profile]] for a in ("--set", s)]
             run_checked(deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port()), str(WORKER),
-                                           "--folder", str(folder), "--shards", shards, "--out", str(out), *sets],
+                                           "--folder", str(folder), "--shards", shards["train"], "--out", str(out), *sets],
                         timeout=600)
             cache[profile] = out, json.loads((out / "result.json").read_text()), torch.load(out / "embeddings.pt")
         return cache[profile]
@@ -125,3 +128,18 @@ def test_the_export_gives_the_engines_embeddings(runs, profile, tmp_path):
     assert result["image_size"] == size and model.config.vision_config.image_size == size
     assert build_model(ModelConfig(pretrained=str(exported)), seed=0).image_size == size   # evaluation's size
     assert (exported / "adapter" / "adapter_config.json").is_file() == (profile != "zero1")
+
+
+def test_eval_of_a_lora_checkpoint_equals_eval_of_its_export(runs, shards, tmp_path):
+    """`rsclip-ds eval --checkpoint` merges the adapters as the export does: same metrics."""
+    out, _, _ = runs("zero2")
+    exported = export_hf(out, tmp_path / "export")
+    results = {}
+    for name, source in (("checkpoint", ["--checkpoint", str(out)]), ("model", ["--model", str(exported)])):
+        run_checked([sys.executable, "-m", "rsclip_ds", "eval", *source, "--zero-shot", shards["classes"],
+                     "--retrieval", shards["captions"], "--out", str(tmp_path / f"{name}.json")], timeout=300)
+        results[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    for group in ("zero_shot", "retrieval"):
+        for key, value in results["model"][group].items():
+            if isinstance(value, float):
+                assert results["checkpoint"][group][key] == pytest.approx(value, abs=1e-6), (group, key)
