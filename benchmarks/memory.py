@@ -2,6 +2,13 @@
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 benchmarks/memory.py --out benchmarks/results/memory.json
     deepspeed --num_gpus 8 benchmarks/memory.py --preset git-rsclip-base --precision bf16 --out ...
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 benchmarks/memory.py --set finetune.lock_image=true \
+        --out benchmarks/results/memory_lock_image.json
+
+`--set finetune.KEY=VALUE` (repeatable) runs with fine-tuning controls, as `rsclip-ds train --set`
+would (`Trainer.build` applies them: locked towers and LoRA's frozen weights get no gradients or
+optimizer states, LoRA adds its adapters' weights); the prediction is then the planner's for the
+same controls (`preset_spec(preset, run.finetune)`, its `.trainable` and `.finetune_json`).
 
 Writes the JSON given by --out and a PNG beside it (same name, .png); rank 0 prints the table.
 On 2 CPU ranks of a 2-core machine the tiny preset takes ~1 minute, mostly engine builds.
@@ -21,7 +28,8 @@ them, and in the last one counts, on each rank, the bytes of the tensors the eng
 storage once, by data_ptr):
 
   parameters  ZeRO-1/2: the optimizer's flat 16-bit buffers `bit16_groups_flat` (the module's
-              params are views of them); ZeRO-3: the partitions `p.ds_tensor`. ZeRO-3 also keeps
+              trainable params are views of them) and the frozen params, which stay whole on
+              every rank outside them; ZeRO-3: the partitions `p.ds_tensor`. ZeRO-3 also keeps
               every parameter under `stage3_param_persistence_threshold` (1e5 elements) gathered
               on every rank; those bytes are reported as `persistent_gathered_bytes`, beside the
               comparison: memory.py does not model the threshold (all of the tiny preset is under it).
@@ -63,6 +71,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -103,10 +112,8 @@ def run_profile(name: str, args, on_gpu: bool) -> dict:
     own vocabulary through the `model=` seam, random batches through `loader=`), --steps train
     steps, then the counted step."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    with tempfile.TemporaryDirectory() as out_dir:
-        run = load_config(None, [f"profile={name}", f"precision={args.precision}", f"model.preset={args.preset}",
-                                 f"batch.micro_batch_size={args.micro}", f"steps={args.steps + 1}",
-                                 "optim.warmup_steps=0", f"output_dir={out_dir}", "checkpoint.at_end=false"])
+    with tempfile.TemporaryDirectory() as out_dir, torch_linear_after():
+        run = run_config(name, args, out_dir)
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
         # No tokenizer: the batches carry token ids, and nothing Trainer.build runs here reads one
@@ -134,14 +141,38 @@ def run_profile(name: str, args, on_gpu: bool) -> dict:
         del trainer, parts, engine, bundle, batches   # the next profile starts without this one's engine
     gc.collect()
     peak = torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    spec = memory.preset_spec(args.preset)
+    spec = memory.preset_spec(args.preset, run.finetune)   # LoRA's weights in .params; .trainable
     per_node = min(world, int(os.environ.get("LOCAL_SIZE", world)))
     states = memory.model_state_bytes(spec.params, spec.largest_layer, prof.stage, prof.offload_optimizer,
                                       prof.offload_param, args.precision, world, per_node,
-                                      prof.strategy.get("zero_optimization"))
-    act_pred = sum(memory.activation_bytes_per_sample(config, args.precision, checkpointing).values()) * args.micro
+                                      prof.strategy.get("zero_optimization"), trainable=spec.trainable)
+    act_pred = sum(memory.activation_bytes_per_sample(config, args.precision, checkpointing,
+                                                      spec.finetune_json).values()) * args.micro
     return compare(name, prof, spec, states, held, persistent, act, act_pred, act_parts, peak,
                    statistics.median(times[1:] or times), per_node, checkpointing)
+
+
+@contextmanager
+def torch_linear_after():
+    """Puts torch's F.linear back when a profile is done. A ZeRO-3 engine build replaces
+    torch.nn.functional.linear for the rest of the process with DeepSpeed's
+    LinearFunctionForZeroStage3 (zero.Init's memory_efficient_linear, on by default), which saves
+    its input for backward even when the weight is frozen. So each profile measures what a run
+    of it alone would, and the prediction runs with torch's linear, as `rsclip-ds plan` does
+    (the probe's results are cached: one linear for all of them)."""
+    linear = torch.nn.functional.linear
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = linear
+
+
+def run_config(profile: str, args, out_dir: str):
+    """The run config of one profile: this script's settings, then the --set fine-tuning controls."""
+    return load_config(None, [f"profile={profile}", f"precision={args.precision}", f"model.preset={args.preset}",
+                              f"batch.micro_batch_size={args.micro}", f"steps={args.steps + 1}",
+                              "optim.warmup_steps=0", f"output_dir={out_dir}", "checkpoint.at_end=false",
+                              *args.set])
 
 
 def _ratio(measured: float, predicted: float) -> float:
@@ -192,13 +223,20 @@ def reduce_over_ranks(row: dict) -> None:
 
 # --------------------------------------------------------------------------- report
 
+def mode_label(config: dict) -> str:
+    """' finetune.lock_image=true' for a report made with --set, '' for the default one."""
+    return "".join(f" {item}" for item in config.get("set", []))
+
+
 def print_table(report: dict) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     mib = 2**20
-    table = Table(title=f"{report['config']['preset']} {report['config']['precision']}, "
-                        f"{report['environment']['world_size']} ranks: per rank, MiB (max over ranks)")
+    cfg = report["config"]
+    table = Table(title=escape(f"{cfg['preset']} {cfg['precision']}{mode_label(cfg)}, "
+                               f"{report['environment']['world_size']} ranks: per rank, MiB (max over ranks)"))
     for col in ("profile", "gpu pred", "gpu meas", "ratio", "offl pred", "offl meas", "ratio",
                 "states", "act pred", "act meas", "ratio", "act", "persist", "peak", "step ms"):
         table.add_column(col, justify="right")
@@ -238,8 +276,8 @@ def plot(report: dict, path: Path) -> str | None:
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
     cfg, env = report["config"], report["environment"]
-    fig.suptitle(f"{cfg['preset']} {cfg['precision']}, micro {cfg['micro']}, {env['world_size']} ranks "
-                 f"({env['device']}); label = measured / predicted")
+    fig.suptitle(f"{cfg['preset']} {cfg['precision']}{mode_label(cfg)}, micro {cfg['micro']}, "
+                 f"{env['world_size']} ranks ({env['device']}); label = measured / predicted")
     return save_figure(plt, fig, path)
 
 
@@ -254,9 +292,13 @@ def parse_args(argv):
     parser.add_argument("--micro", type=int, default=4, help="samples per rank per micro-batch")
     parser.add_argument("--steps", type=int, default=3, help="train steps before the measured one")
     parser.add_argument("--profiles", nargs="*", default=None, help="default: every ds_profiles/*.json")
+    parser.add_argument("--set", action="append", default=[], metavar="finetune.KEY=VALUE",
+                        help="a fine-tuning control (finetune.* keys only; repeatable), e.g. "
+                             "finetune.lock_image=true or 'finetune.lora.towers=[image,text]'")
     memory_build.add_arguments(parser)
     args = parser.parse_args(argv)
     build = args.build_rss or args.build_rss_worker
+    check_sets(parser, args.set, build)
     args.preset = args.preset or ("git-rsclip-base" if build else "tiny")
     args.precision = args.precision or (["bf16", "fp32"] if build else ["fp32"])
     if not build:
@@ -264,6 +306,23 @@ def parse_args(argv):
             parser.error("--precision takes one value here (several only with --build-rss)")
         args.precision = args.precision[0]
     return args
+
+
+def check_sets(parser, sets: list[str], build: bool) -> None:
+    """--set takes finetune.* keys only (the rest of the run is this script's), and they must
+    validate: a bad key or value stops here, before any process group exists."""
+    from rsclip_ds.config import ConfigError
+
+    if sets and build:
+        parser.error("--set applies to the engine measurement, not to --build-rss")
+    for item in sets:
+        if not item.startswith("finetune.") or "=" not in item:
+            parser.error(f"--set {item!r}: only finetune.KEY=VALUE is accepted here "
+                         "(`rsclip-ds show-config` lists the finetune.* keys)")
+    try:
+        load_config(None, sets)
+    except ConfigError as err:
+        parser.error(f"--set: {err}")
 
 
 COMPARED = {"gpu": "accelerator-role params + grads (before step) + optimizer vs StateBytes.gpu",
@@ -288,10 +347,15 @@ def main(argv=None) -> int:
             rows.append(row)
             rank0_print(info.rank)(f"{name}: gpu {row['gpu']['ratio']:.3f} offload {row['offload']['ratio']:.3f} "
                                    f"activations {row['activations']['ratio']:.3f}")
-        spec = memory.preset_spec(args.preset)
-        report = {"config": {"preset": args.preset, "precision": args.precision, "micro": args.micro,
-                             "steps": args.steps, "parameters": spec.params, "largest_layer": spec.largest_layer,
-                             "model_tolerance": MODEL_TOL, "activation_tolerance": ACT_TOL},
+        finetune = load_config(None, args.set).finetune
+        spec = memory.preset_spec(args.preset, finetune)
+        config = {"preset": args.preset, "precision": args.precision, "micro": args.micro,
+                  "steps": args.steps, "parameters": spec.params, "largest_layer": spec.largest_layer,
+                  "model_tolerance": MODEL_TOL, "activation_tolerance": ACT_TOL}
+        if args.set:   # the default report stays as it was
+            config.update(set=args.set, finetune=finetune.model_dump(exclude_defaults=True),
+                          trainable=spec.trainable)
+        report = {"config": config,
                   "environment": environment(args.threads), "compared": COMPARED,
                   "profiles": rows, "seconds": time.perf_counter() - t0}
         report["all_pass"] = all(r["model_states_pass"] and r["activations_pass"] for r in rows)

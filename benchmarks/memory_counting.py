@@ -44,10 +44,14 @@ def _flat(values) -> list:
 
 
 def count_params(ledger: Ledger, engine, stage: int, place: str) -> int:
-    """Partitions the engine owns; returns the bytes of ZeRO-3 persistent (gathered) params."""
+    """Partitions the engine owns; returns the bytes of ZeRO-3 persistent (gathered) params.
+    ZeRO-1/2 flatten only the trainable params (`bit16_groups_flat`, the module's trainable params
+    are views of it); frozen ones (locked towers, LoRA's base weights) stay whole on every rank,
+    each in its own storage. ZeRO-3 partitions every module param, frozen or not (`ds_tensor`)."""
     opt = engine.optimizer
     if stage < 3:
         ledger.add("params", place, _flat(opt.bit16_groups_flat))
+        ledger.add("params", place, [p for p in engine.module.parameters() if not p.requires_grad])
         return 0
     params = list(engine.module.parameters())
     ledger.add("params", place, [p.ds_tensor for p in params])
