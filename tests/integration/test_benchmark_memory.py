@@ -7,6 +7,11 @@ textbook ZeRO layout per role (fp32 weights 4 bytes, Adam's fp32 master + m + v 
 parameter, partitioned over W ranks where the stage says so), `rsclip_ds.memory.model_state_bytes`
 for the totals, and `activation_bytes_per_sample` for the saved activations.
 
+A second launch (~20 s) runs the same with `--set finetune.lock_image=true`: the image tower is
+frozen, so its Ψ_image parameters keep their weights (4 bytes each, partitioned as before) but no
+gradients or optimizer states; the tests compare with the same layout evaluated at Ψ_t = Ψ - Ψ_image
+(counted here from the model's vision tower) and with the full launch's bytes.
+
 `--build-rss` (two more launches, ~1 minute, fp32, glibc's default allocator only) measures the host
 memory of building a ZeRO-3 run with the model built whole and inside deepspeed.zero.Init; the
 tests check the parameter bytes each rank held after each build against 4Ψ and 4Ψ/W.
@@ -18,6 +23,7 @@ import pytest
 import torch
 
 from rsclip_ds import memory
+from rsclip_ds.config import FinetuneConfig
 from rsclip_ds.model import new_dual_encoder, preset_config
 from rsclip_ds.profiles import available_profiles, load_profile
 from tests.integration.benchmark_helpers import run_benchmark
@@ -96,6 +102,104 @@ def test_activations_match_the_memory_model(report, profile):
     prof, row = load_profile(profile), _row(report, profile)
     assert row["activation_checkpointing"] == prof.activation_checkpointing
     per_sample = memory.activation_bytes_per_sample(preset_config("tiny"), "fp32", prof.activation_checkpointing)
+    assert row["activations"]["measured"] == pytest.approx(sum(per_sample.values()) * MICRO, rel=0.15), \
+        row["activations"]
+
+
+# --------------------------------------------------------------------------- finetune.lock_image
+
+LOCK = "finetune.lock_image=true"
+
+
+@pytest.fixture(scope="module")
+def lock_report(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("bench_lock")
+    return run_benchmark("memory.py", "--preset", "tiny", "--precision", "fp32", "--steps", "2",
+                         "--micro", str(MICRO), "--set", LOCK, out=tmp / "memory_lock_image.json", ranks=W,
+                         timeout=240)
+
+
+@pytest.fixture(scope="module")
+def psi_trained(model, psi) -> int:
+    """Ψ_t: every parameter but the image tower's (the text tower and the logit scale and bias)."""
+    return psi - sum(p.numel() for p in model.vision_model.parameters())
+
+
+def test_locked_run_reports_its_controls(lock_report, psi, psi_trained):
+    assert lock_report["config"]["set"] == [LOCK]
+    assert lock_report["config"]["finetune"] == {"lock_image": True}
+    assert lock_report["config"]["parameters"] == psi
+    assert lock_report["config"]["trainable"] == psi_trained
+    assert [r["profile"] for r in lock_report["profiles"]] == available_profiles()
+
+
+@pytest.mark.parametrize("profile", available_profiles())
+def test_locked_tower_keeps_weights_but_no_gradients_or_optimizer_states(lock_report, psi, psi_trained, profile):
+    """The ZeRO layout of the full launch with gradients and optimizer states at Ψ_t: weights 4Ψ
+    (4Ψ/W at stage 3; ZeRO-1/2 hold the frozen ones whole, outside the flat buffer), optimizer
+    12Ψ_t/W, gradients between this rank's 4Ψ_t/W partition and a full 4Ψ_t."""
+    prof, m = load_profile(profile), _row(lock_report, profile)["measured"]
+    params_place = "cpu" if prof.offload_param else "gpu"
+    opt_place = "cpu" if prof.offload_optimizer else "gpu"
+    assert m[f"params_{params_place}"] == pytest.approx(4 * psi / (W if prof.stage == 3 else 1), rel=0.01), m
+    assert m[f"optimizer_{opt_place}"] == pytest.approx(12 * psi_trained / W, rel=0.01), m
+    grads = m["grads_gpu"] + m["grads_cpu"]
+    assert 0.99 * 4 * psi_trained / W <= grads <= 1.01 * 4 * psi_trained, m
+
+
+@pytest.mark.parametrize("profile", available_profiles())
+def test_locking_saves_the_locked_share_of_gradients_and_optimizer_states(report, lock_report, psi, psi_trained,
+                                                                          profile):
+    """Against the full launch: optimizer bytes scale by Ψ_t/Ψ exactly (0.54 on tiny), gradients +
+    optimizer roughly (ZeRO-1/2 count the whole gradient buffer that straddles the partition
+    boundary: 0.50 there)."""
+    def held(row, role):
+        return row["measured"][f"{role}_gpu"] + row["measured"][f"{role}_cpu"]
+    full, lock = _row(report, profile), _row(lock_report, profile)
+    share = psi_trained / psi
+    assert held(lock, "optimizer") / held(full, "optimizer") == pytest.approx(share, rel=0.01)
+    both = (held(lock, "grads") + held(lock, "optimizer")) / (held(full, "grads") + held(full, "optimizer"))
+    assert both == pytest.approx(share, rel=0.10)
+
+
+@pytest.mark.parametrize("profile", available_profiles())
+def test_locked_model_states_match_the_memory_model(lock_report, model, psi, psi_trained, profile):
+    """model_state_bytes(Ψ, trainable=Ψ_t) against the measured totals, within 10%."""
+    prof, row = load_profile(profile), _row(lock_report, profile)
+    largest = max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in model.modules())
+    states = memory.model_state_bytes(psi, largest, prof.stage, prof.offload_optimizer, prof.offload_param,
+                                      "fp32", W, W, prof.strategy.get("zero_optimization"), trainable=psi_trained)
+    assert row["gpu"]["measured"] == pytest.approx(states.gpu, rel=0.10), row["measured"]
+    if prof.offload_optimizer or prof.offload_param:
+        assert states.cpu_node > 4 * psi * W, "the locked tiny run no longer exercises the offloaded-states branch"
+        assert row["offload"]["measured"] == pytest.approx(states.cpu_node / W, rel=0.10), row["measured"]
+    else:
+        assert row["offload"]["measured"] == 0
+
+
+@pytest.mark.parametrize("profile", available_profiles())
+def test_a_locked_tower_saves_fewer_activations(report, lock_report, profile):
+    assert _row(lock_report, profile)["activations"]["measured"] < _row(report, profile)["activations"]["measured"]
+
+
+_RECOMPUTED_LOCKED_TOWER = pytest.mark.xfail(strict=True, reason=(
+    "memory.activation_bytes_per_sample under-counts a locked tower under activation checkpointing "
+    "(1.23x on tiny, 1.46x on git-rsclip-base): the Trainer makes every tower's embedding output require "
+    "grad (finetune.keep_checkpointed_inputs_differentiable), so backward recomputes the locked vision "
+    "layers, while the probe's per-layer estimate (full - checkpointed) takes a full pass made without "
+    "that hook, where a locked tower saves nothing; and ZeRO-3's linear saves the inputs of the frozen "
+    "linears the hook reaches. See docs/benchmarks.md."))
+
+
+@pytest.mark.parametrize("profile", [pytest.param(p, marks=_RECOMPUTED_LOCKED_TOWER)
+                                     if load_profile(p).activation_checkpointing else p
+                                     for p in available_profiles()])
+def test_locked_activations_match_the_memory_model(lock_report, profile):
+    """activation_bytes_per_sample with the same controls x micro, within 15%."""
+    prof, row = load_profile(profile), _row(lock_report, profile)
+    finetune = FinetuneConfig(lock_image=True).model_dump_json()
+    per_sample = memory.activation_bytes_per_sample(preset_config("tiny"), "fp32", prof.activation_checkpointing,
+                                                    finetune)
     assert row["activations"]["measured"] == pytest.approx(sum(per_sample.values()) * MICRO, rel=0.15), \
         row["activations"]
 
