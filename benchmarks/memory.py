@@ -146,8 +146,8 @@ def run_profile(name: str, args, on_gpu: bool) -> dict:
     states = memory.model_state_bytes(spec.params, spec.largest_layer, prof.stage, prof.offload_optimizer,
                                       prof.offload_param, args.precision, world, per_node,
                                       prof.strategy.get("zero_optimization"), trainable=spec.trainable)
-    act_pred = sum(memory.activation_bytes_per_sample(config, args.precision, checkpointing,
-                                                      spec.finetune_json).values()) * args.micro
+    act_pred = sum(memory.activation_bytes_per_sample(config, args.precision, checkpointing, spec.finetune_json,
+                                                      zero3=prof.stage == 3).values()) * args.micro
     return compare(name, prof, spec, states, held, persistent, act, act_pred, act_parts, peak,
                    statistics.median(times[1:] or times), per_node, checkpointing)
 

@@ -155,12 +155,15 @@ def apply_trainability(model, cfg: FinetuneConfig, *, keep_frozen: set[str] = fr
 def keep_checkpointed_inputs_differentiable(model) -> None:
     """Reentrant activation checkpointing returns no gradient for a block whose input does not
     require grad: with frozen embeddings, unlocked blocks and adapters would silently not train.
-    Make each tower's embedding output require grad (transformers' enable_input_require_grads)."""
+    Make the embedding output require grad (transformers' enable_input_require_grads) in each
+    tower that has something to train; a fully locked tower stays forward-only."""
     def hook(module, args, output):
         return output.requires_grad_(True) if torch.is_grad_enabled() else output
 
     for prefix in TOWERS.values():
-        getattr(model, prefix).embeddings.register_forward_hook(hook)
+        tower = getattr(model, prefix)
+        if any(p.requires_grad for p in tower.parameters()):
+            tower.embeddings.register_forward_hook(hook)
 
 
 # --------------------------------------------------------------------------- optimizer groups

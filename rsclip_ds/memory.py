@@ -192,7 +192,7 @@ def saved_bytes(fn, exclude=()) -> int:
 
 @lru_cache(maxsize=None)
 def _probe(config_json: str, precision: str, checkpointing: bool, samples: int,
-           finetune_json: str = "{}") -> tuple[int, int]:
+           finetune_json: str = "{}", zero3: bool = False) -> tuple[int, int]:
     from unittest import mock
 
     from transformers import SiglipConfig
@@ -211,29 +211,35 @@ def _probe(config_json: str, precision: str, checkpointing: bool, samples: int,
         pixels = torch.empty(samples, 3, vc.image_size, vc.image_size, dtype=DTYPES[precision])
         ids = torch.zeros(samples, tc.max_position_embeddings, dtype=torch.long)
     params = list(model.parameters())
-    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _sdpa):
+    linear = torch.nn.functional.linear
+    if zero3:   # what a ZeRO-3 engine puts in place of F.linear (memory_efficient_linear, on by default)
+        from deepspeed.runtime.zero.linear import zero3_linear_wrap as linear
+    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _sdpa), \
+            mock.patch.object(torch.nn.functional, "linear", linear):
         vision = saved_bytes(lambda: model.vision_model(pixel_values=pixels), params)
         text = saved_bytes(lambda: model.text_model(input_ids=ids), params)
     return vision, text
 
 
 def activation_bytes_per_sample(config, precision: str = "bf16", checkpointing: bool = False,
-                                finetune_json: str = "{}") -> dict:
+                                finetune_json: str = "{}", zero3: bool = False) -> dict:
     """Measured bytes per sample saved for backward by each tower (SiglipConfig or preset name).
 
     A forward of 2 samples on the meta device (real shapes, no memory) under
     `saved_tensors_hooks`, halved. With checkpointing, the saved layer inputs plus one layer's
     activations, alive while backward recomputes it: (full - checkpointed) / layers. With the
-    fine-tuning controls applied (``finetune_json``): a locked tower saves (almost) nothing."""
+    fine-tuning controls applied (``finetune_json``): a locked tower saves (almost) nothing.
+    ``zero3``: with ZeRO-3's linear, which saves its input also for frozen weights (it matters
+    for LoRA towers and partly locked ones; with everything trainable the bytes are the same)."""
     if isinstance(config, str):
         from rsclip_ds.model import preset_config
 
         config = preset_config(config)
     cj = config.to_json_string()
-    full = _probe(cj, precision, False, 2, finetune_json)
+    full = _probe(cj, precision, False, 2, finetune_json, zero3)
     if not checkpointing:
         return {"vision": full[0] // 2, "text": full[1] // 2}
-    ckpt = _probe(cj, precision, True, 2, finetune_json)
+    ckpt = _probe(cj, precision, True, 2, finetune_json, zero3)
     layers = (config.vision_config.num_hidden_layers, config.text_config.num_hidden_layers)
     # backward recomputes one layer at a time, of one tower: only the larger layer counts
     layer = [max(0, f - c) // n for f, c, n in zip(full, ckpt, layers)]
@@ -333,11 +339,12 @@ class Row:
 
 def peak_gpu_bytes(spec: ModelSpec, states: StateBytes, precision: str, checkpointing: bool, micro: int,
                    per_rank: int, gpus: int, loss: str = "siglip", negatives: str = "global",
-                   accumulation: str = "global") -> int:
+                   accumulation: str = "global", zero3: bool = False) -> int:
     """Peak bytes of one GPU at this micro-batch (`per_rank` = global batch / gpus).
     'plain' accumulation: logits (micro, micro x gpus) next to the towers' activations.
     'global': the loss runs alone on (per_rank, global) logits; the towers re-run per micro."""
-    act = sum(activation_bytes_per_sample(_config(spec), precision, checkpointing, spec.finetune_json).values()) * micro
+    act = sum(activation_bytes_per_sample(_config(spec), precision, checkpointing, spec.finetune_json,
+                                          zero3 and spec.trainable < spec.params).values()) * micro
     cols = gpus if negatives == "global" else 1
     if accumulation == "global":
         train = max(act, logits_bytes(loss, per_rank, per_rank * cols))
@@ -406,7 +413,7 @@ def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "b
         for ac in (False, True):
             def peak(m):
                 return peak_gpu_bytes(spec, states, precision, ac, m, per_rank, budget.gpus, loss,
-                                      negatives, accumulation)
+                                      negatives, accumulation, zero3=prof.stage == 3)
             lo, hi = 0, per_rank                      # largest m with peak(m) <= budget (monotonic)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
