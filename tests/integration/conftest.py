@@ -26,3 +26,21 @@ def launch(launch_data, tmp_path):
     def _launch(*overrides: str, nproc: int = 2, name: str = "run") -> dict:
         return launch_summary(launch_data, tmp_path / name, list(overrides), nproc)
     return _launch
+
+
+@pytest.fixture(scope="session")
+def published_folder(tmp_path_factory):
+    """A folder of the published Git-RSCLIP shape (tests/published_like.py)."""
+    from tests.published_like import write_published_like
+
+    return write_published_like(tmp_path_factory.mktemp("published"))
+
+
+@pytest.fixture(scope="session")
+def published_data(tmp_path_factory):
+    """Shards for the fine-tunes from that folder, and an evaluation layout."""
+    out = tmp_path_factory.mktemp("published_data")
+    index = make_synthetic(out, num_train=256, num_val=16, shard_size=64, image_size=64, seed=0,
+                           progress=False, eval_layout=True)
+    return {"train": index["train_pattern"], "classes": str(out / "eval" / "classes"),
+            "captions": str(out / "eval" / "captions.json")}

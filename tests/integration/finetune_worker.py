@@ -11,21 +11,18 @@ embeddings through the engine after training. The run ends with a checkpoint to 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from rsclip_ds.config import load_config
 from rsclip_ds.data.tokenizer import tokenize
 from rsclip_ds.engine import engine_dtype
 from rsclip_ds.model import maybe_gathered
 from rsclip_ds.trainer import Trainer
+from tests.integration.helpers import pretrained_worker_config
 
-ROOT = Path(__file__).resolve().parents[2]
 CAPTIONS = ["a satellite photo of forest.", "a satellite photo of a river.", "an airport seen from above."]
 
 
@@ -51,17 +48,7 @@ def _optimizer_state_elements(engine) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--folder", type=Path, required=True)
-    parser.add_argument("--shards", required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--set", action="append", default=[])
-    parser.add_argument("--local_rank", type=int, default=0)
-    args = parser.parse_args()
-    run = load_config(ROOT / "configs" / "tiny_demo.yaml", [
-        "steps=4", "optim.warmup_steps=1", "optim.lr=5e-3", "optim.min_lr_ratio=0.5", "batch.micro_batch_size=8", "logging.log_every=1",
-        "logging.progress=plain", "data.num_workers=0", "precision=fp32", f"output_dir={args.out}",
-        f"model.pretrained={args.folder}", "model.tokenizer=null", f"data.train_shards={args.shards}"] + args.set)
+    args, run = pretrained_worker_config("optim.lr=5e-3", "optim.min_lr_ratio=0.5", "precision=fp32")
     with Trainer(run) as trainer:
         parts = trainer.build()
         engine, bundle = parts.engine, parts.bundle

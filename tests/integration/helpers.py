@@ -135,3 +135,26 @@ class TimedJob:
             if re.search(pattern, line):
                 return t
         raise AssertionError(f"no output line matching {pattern!r}; tail:\n{self.text[-3000:]}")
+
+
+def pretrained_worker_config(*overrides: str):
+    """For the workers launched on a folder of the published shape (pretrained_worker.py,
+    finetune_worker.py): their arguments (--folder, --shards, --out, --set; the launcher's
+    --local_rank) and a short run config from that folder, `overrides` and then --set."""
+    import argparse
+
+    from rsclip_ds.config import load_config
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--folder", type=Path, required=True)
+    parser.add_argument("--shards", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--local_rank", type=int, default=0)
+    args = parser.parse_args()
+    run = load_config(DEMO_CONFIG, [
+        "steps=4", "optim.warmup_steps=1", "batch.micro_batch_size=8", "logging.log_every=1",
+        "logging.progress=plain", "data.num_workers=0", f"output_dir={args.out}",
+        f"model.pretrained={args.folder}", "model.tokenizer=null", f"data.train_shards={args.shards}",
+        *overrides, *args.set])
+    return args, run

@@ -11,7 +11,6 @@ DIR/embeddings.pt: embeddings of a probe batch through the engine before trainin
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -19,12 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rsclip_ds.config import load_config
 from rsclip_ds.data.tokenizer import tokenize
 from rsclip_ds.engine import engine_dtype
 from rsclip_ds.trainer import Trainer
+from tests.integration.helpers import pretrained_worker_config
 
-ROOT = Path(__file__).resolve().parents[2]
 CAPTIONS = ["a satellite photo of forest.", "a satellite photo of a river.", "an airport seen from above."]
 
 
@@ -54,17 +52,7 @@ def _master_vs_folder(engine, folder: Path) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--folder", type=Path, required=True)
-    parser.add_argument("--shards", required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--set", action="append", default=[])
-    parser.add_argument("--local_rank", type=int, default=0)
-    args = parser.parse_args()
-    run = load_config(ROOT / "configs" / "tiny_demo.yaml", [
-        "steps=4", "optim.warmup_steps=1", "batch.micro_batch_size=8", "logging.log_every=1",
-        "logging.progress=plain", "data.num_workers=0", "checkpoint.at_end=false", f"output_dir={args.out}",
-        f"model.pretrained={args.folder}", "model.tokenizer=null", f"data.train_shards={args.shards}"] + args.set)
+    args, run = pretrained_worker_config("checkpoint.at_end=false")
     with Trainer(run) as trainer:
         parts = trainer.build()
         engine, bundle = parts.engine, parts.bundle

@@ -23,7 +23,7 @@ from rsclip_ds.checkpoint import export_hf
 from rsclip_ds.config import ModelConfig
 from rsclip_ds.model import build_model
 from tests.integration.helpers import ROOT, deepspeed_cmd, free_port, run_checked
-from tests.published_like import IMAGE_SIZE, write_published_like
+from tests.published_like import IMAGE_SIZE
 
 pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "integration" / "finetune_worker.py"
@@ -37,23 +37,7 @@ RUNS = {
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return write_published_like(tmp_path_factory.mktemp("published"))
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    from rsclip_ds.data.synthetic import make_synthetic
-
-    out = tmp_path_factory.mktemp("finetune_data")
-    index = make_synthetic(out, num_train=256, num_val=16, shard_size=64, image_size=64, seed=0,
-                           progress=False, eval_layout=True)
-    return {"train": index["train_pattern"], "classes": str(out / "eval" / "classes"),
-            "captions": str(out / "eval" / "captions.json")}
-
-
-@pytest.fixture(scope="module")
-def runs(folder, shards, tmp_path_factory):
+def runs(published_folder, published_data, tmp_path_factory):
     cache = {}
 
     def get(profile: str):
@@ -61,7 +45,8 @@ def runs(folder, shards, tmp_path_factory):
             out = tmp_path_factory.mktemp(profile)
             sets = [a for s in [f"profile={profile}", *RUNS[profile]] for a in ("--set", s)]
             run_checked(deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port()), str(WORKER),
-                                           "--folder", str(folder), "--shards", shards["train"], "--out", str(out), *sets],
+                                           "--folder", str(published_folder), "--shards", published_data["train"],
+                                           "--out", str(out), *sets],
                         timeout=600)
             cache[profile] = out, json.loads((out / "result.json").read_text()), torch.load(out / "embeddings.pt")
         return cache[profile]
@@ -130,14 +115,14 @@ def test_the_export_gives_the_engines_embeddings(runs, profile, tmp_path):
     assert (exported / "adapter" / "adapter_config.json").is_file() == (profile != "zero1")
 
 
-def test_eval_of_a_lora_checkpoint_equals_eval_of_its_export(runs, shards, tmp_path):
+def test_eval_of_a_lora_checkpoint_equals_eval_of_its_export(runs, published_data, tmp_path):
     """`rsclip-ds eval --checkpoint` merges the adapters as the export does: same metrics."""
     out, _, _ = runs("zero2")
     exported = export_hf(out, tmp_path / "export")
     results = {}
     for name, source in (("checkpoint", ["--checkpoint", str(out)]), ("model", ["--model", str(exported)])):
-        run_checked([sys.executable, "-m", "rsclip_ds", "eval", *source, "--zero-shot", shards["classes"],
-                     "--retrieval", shards["captions"], "--out", str(tmp_path / f"{name}.json")], timeout=300)
+        run_checked([sys.executable, "-m", "rsclip_ds", "eval", *source, "--zero-shot", published_data["classes"],
+                     "--retrieval", published_data["captions"], "--out", str(tmp_path / f"{name}.json")], timeout=300)
         results[name] = json.loads((tmp_path / f"{name}.json").read_text())
     for group in ("zero_shot", "retrieval"):
         for key, value in results["model"][group].items():

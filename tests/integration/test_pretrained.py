@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.integration.helpers import ROOT, deepspeed_cmd, free_port, launch_env
-from tests.published_like import COMMIT, write_hf_cache, write_published_like
+from tests.published_like import COMMIT, write_hf_cache
 
 pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "integration" / "pretrained_worker.py"
@@ -33,28 +33,14 @@ def _fp16_supported() -> bool:
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return write_published_like(tmp_path_factory.mktemp("published"))
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    from rsclip_ds.data.synthetic import make_synthetic
-
-    out = tmp_path_factory.mktemp("pretrained_data")
-    index = make_synthetic(out, num_train=256, num_val=16, shard_size=64, image_size=64, seed=0, progress=False)
-    return index["train_pattern"]
-
-
-@pytest.fixture(scope="module")
-def hub_cache(folder, tmp_path_factory):
+def hub_cache(published_folder, tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_cache")
-    write_hf_cache(root, "lcybuaa/Git-RSCLIP", folder)
+    write_hf_cache(root, "lcybuaa/Git-RSCLIP", published_folder)
     return root
 
 
 @pytest.fixture(scope="module")
-def runs(folder, shards, hub_cache, tmp_path_factory):
+def runs(published_folder, published_data, hub_cache, tmp_path_factory):
     """profile/precision -> (result.json, embeddings) of one launch each, run on first use.
     zero1 names the model by hub id (the cache holds the same folder)."""
     cache = {}
@@ -64,7 +50,8 @@ def runs(folder, shards, hub_cache, tmp_path_factory):
             out = tmp_path_factory.mktemp(f"{profile}_{precision}")
             hub = ["--set", "model.pretrained=lcybuaa/Git-RSCLIP"] if profile == "zero1" else []
             cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port()), str(WORKER),
-                                     "--folder", str(folder), "--shards", shards, "--out", str(out),
+                                     "--folder", str(published_folder), "--shards", published_data["train"],
+                                     "--out", str(out),
                                      "--set", f"profile={profile}", "--set", f"precision={precision}", *hub]
             proc = subprocess.run(cmd, cwd=ROOT, env={**launch_env(), "HF_HUB_CACHE": str(hub_cache)},
                                   capture_output=True, text=True, timeout=600)
@@ -101,7 +88,8 @@ def _check_training(result, folder, precision):
     assert all(math.isfinite(v) for v in summary["losses"])
 
 
-def test_zero3_builds_partitioned_and_embeds_as_transformers(runs, folder):
+def test_zero3_builds_partitioned_and_embeds_as_transformers(runs, published_folder):
+    folder = published_folder
     result, probe = runs("zero3", "fp32")
     n = result["parameters"]
     assert len(result["held_per_rank"]) == 2
@@ -115,7 +103,8 @@ def test_zero3_builds_partitioned_and_embeds_as_transformers(runs, folder):
 
 
 @pytest.mark.parametrize("profile,precision", [("zero1", "bf16"), ("zero2", "bf16"), ("zero2", "fp16")])
-def test_16bit_runs_start_from_exact_fp32_masters(runs, folder, profile, precision):
+def test_16bit_runs_start_from_exact_fp32_masters(runs, published_folder, profile, precision):
+    folder = published_folder
     if precision == "fp16" and not _fp16_supported():
         pytest.skip("fp16 is not supported by this CPU (torch.ops.mkldnn._is_mkldnn_fp16_supported)")
     result, probe = runs(profile, precision)
