@@ -27,7 +27,6 @@ import csv
 import io
 import json
 import re
-from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -42,8 +42,6 @@ def build_eval_hook(run, bundle: ModelBundle, rank: int, world_size: int):
     the engine's forward (ZeRO-3 safe); None when run.eval.every is 0. The data sets are read
     now, so a wrong path fails before training starts. Returns the flat metrics, None on other
     steps; rank 0 writes {output_dir}/eval/step{N:08d}.json and the engine's monitor events."""
-    from rsclip_ds.engine import engine_dtype
-
     cfg = run.eval
     if cfg.every == 0:
         return None

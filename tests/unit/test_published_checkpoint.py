@@ -16,7 +16,6 @@ from safetensors.torch import load_file
 
 from rsclip_ds.config import ConfigError, ModelConfig
 from rsclip_ds.data.tokenizer import tokenize
-from rsclip_ds.evaluation.datasets import ClassFolderSet
 from rsclip_ds.evaluation.embed import Embedder, class_embeddings, eval_transform
 from rsclip_ds.evaluation.metrics import zero_shot_probabilities
 from rsclip_ds.hub import is_hub_id, resolve_source
