@@ -9,8 +9,10 @@ The numbers come from `rsclip_ds.memory` (formulas and assumptions in its docstr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
+import sys
 from pathlib import Path
 
 from rsclip_ds.config import ConfigError
@@ -101,6 +103,20 @@ def _print_table(rows, best, args, spec) -> None:
 
 
 def run(args) -> int:
+    if not args.json:
+        return _run(args)
+    # `plan --json | jq`: stdout carries the JSON only. DeepSpeed's logger writes to stdout
+    # (its accelerator warning on a machine without a GPU comes at import): everything but the
+    # JSON goes to stderr while the plan is made; the JSON is printed after.
+    out = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        doc = _run(args)
+    print(json.dumps(doc, indent=2), file=out)
+    return 0
+
+
+def _run(args):
+    """Makes the plan; prints the table (returns 0), or returns the JSON document (--json)."""
     from rsclip_ds.memory import Budget, preset_spec, plan, recommend, scaled_spec
 
     finetune = _finetune(args)
@@ -116,12 +132,13 @@ def run(args) -> int:
         raise ConfigError(str(err)) from None
     best = recommend(rows)
     command = launch_command(best, args, args.gpus, args.nodes) if best and not args.params else None
+    doc = None
     if args.json:
-        print(json.dumps({"model": spec.name, "params": spec.params, "trainable": spec.trainable,
-                          "finetune": finetune.model_dump(), "gpus": budget.gpus,
-                          "gpu_bytes": budget.gpu_bytes, "global_batch": args.global_batch,
-                          "rows": [r.to_dict() for r in rows],
-                          "recommended": best.to_dict() if best else None, "command": command}, indent=2))
+        doc = {"model": spec.name, "params": spec.params, "trainable": spec.trainable,
+               "finetune": finetune.model_dump(), "gpus": budget.gpus,
+               "gpu_bytes": budget.gpu_bytes, "global_batch": args.global_batch,
+               "rows": [r.to_dict() for r in rows],
+               "recommended": best.to_dict() if best else None, "command": command}
     else:
         _print_table(rows, best, args, spec)
         if command:
@@ -132,7 +149,7 @@ def run(args) -> int:
         write_config(best, args, budget.gpus, args.write_config)
         if not args.json:
             print(f"DeepSpeed config written to {args.write_config}")
-    return 0
+    return doc if args.json else 0
 
 
 def write_config(row, args, world_size: int, path: Path) -> dict:

@@ -4,6 +4,9 @@ answers for a few budgets (the seed article's 80 GB model on 4 x 24 GB among the
 import argparse
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -182,8 +185,7 @@ def test_plan_takes_finetune_sets_only(capsys):
     def planned(*sets):
         capsys.readouterr()
         assert cmd_plan(parser.parse_args(base + [a for s in sets for a in ("--set", s)])) == 0
-        out = capsys.readouterr().out
-        return json.loads(out[out.index("{"):])
+        return json.loads(capsys.readouterr().out)
 
     full, locked = planned(), planned("finetune.lock_image=true")
     assert locked["trainable"] < full["trainable"] == full["params"]
@@ -191,3 +193,15 @@ def test_plan_takes_finetune_sets_only(capsys):
     assert "--set finetune.lock_image=true" in locked["command"]
     with pytest.raises(ConfigError, match="finetune"):
         cmd_plan(parser.parse_args(base + ["--set", "steps=3"]))
+
+
+def test_plan_json_stdout_is_only_json():
+    """`rsclip-ds plan --json | jq` on a laptop: DeepSpeed's accelerator warning (printed to
+    stdout at import when no GPU is found and DS_ACCELERATOR is unset) must go to stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    proc = subprocess.run([sys.executable, "-m", "rsclip_ds", "plan", "--model", "tiny", "--gpus", "2",
+                           "--gpu-mem", "8GiB", "--global-batch", "64", "--json"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)   # the whole of stdout, nothing before or after
+    assert doc["model"] == "tiny" and doc["recommended"]["fits"]
