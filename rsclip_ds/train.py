@@ -22,7 +22,15 @@ log = logging.getLogger("rsclip_ds")
 
 
 def _inputs(engine, batch: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    pixel_values = batch["pixel_values"].to(engine.device, dtype, non_blocking=True)   # (B,3,H,W)
+    """One micro-batch on the engine's device. uint8 pixels (the loader's) travel as uint8 -- a
+    quarter of float32's bytes -- and the model normalises them there; float pixels (callers
+    that normalise themselves) are cast to the engine's dtype. The loader pins its batches when
+    CUDA is there, so the copies are asynchronous."""
+    pixels = batch["pixel_values"]                                                      # (B,3,H,W)
+    if pixels.dtype == torch.uint8:
+        pixel_values = pixels.to(engine.device, non_blocking=True)
+    else:
+        pixel_values = pixels.to(engine.device, dtype, non_blocking=True)
     input_ids = batch["input_ids"].to(engine.device, non_blocking=True)                # (B,L)
     return pixel_values, input_ids
 

@@ -142,7 +142,6 @@ class Trainer:
             set_fp32_masters(engine, Path(bundle.source.folder))   # not rounded to the 16-bit dtype
         loader = self.loader if self.loader is not None else build_train_loader(
             run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
-            image_mean=bundle.image_mean, image_std=bundle.image_std,
             max_text_length=bundle.max_text_length, micro_batch_size=batch.micro,
             rank=info.rank, world_size=info.world_size, seed=run.seed,
             state=resume["data"] if resume else None)

@@ -3,7 +3,7 @@
     sources.py       shard specs (braces, globs, lists, pipe:/http urls) -> urls; sample counts
     schedule.py      which shards each (rank, worker) stream reads per epoch, batches per epoch
     tar.py           tar members -> samples; broken tars counted, never raised
-    transforms.py    the one image transform (training and evaluation), normalisation, sample decoding
+    transforms.py    the one image transform (training and evaluation), sample decoding; Normalize (reference)
     bad.py           bad-data kinds, per-stream counts, the stop threshold (DataError)
     loader.py        the streams, the DataLoader, resumable position: build_train_loader
     tokenizer.py     training a caption tokenizer; tokenize()

