@@ -143,7 +143,7 @@ class Trainer:
         loader = self.loader if self.loader is not None else build_train_loader(
             run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
             max_text_length=bundle.max_text_length, micro_batch_size=batch.micro,
-            rank=info.rank, world_size=info.world_size, seed=run.seed,
+            rank=info.rank, world_size=info.world_size, seed=run.seed, local_world_size=info.local_world_size,
             state=resume["data"] if resume else None)
         if self.wrap_loader is not None:
             loader = self.wrap_loader(loader)

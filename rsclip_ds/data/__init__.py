@@ -14,12 +14,12 @@ Full guide: docs/data.md.
 """
 
 from rsclip_ds.data.bad import BAD_KINDS, DataError, StreamCounter
-from rsclip_ds.data.loader import TrainLoader, build_train_loader
+from rsclip_ds.data.loader import TrainLoader, auto_num_workers, build_train_loader
 from rsclip_ds.data.schedule import EpochSchedule, build_epoch_schedule
 from rsclip_ds.data.sources import expand_sources, expand_urls, shard_counts
 from rsclip_ds.data.tar import read_shard
 from rsclip_ds.data.transforms import ImageTransform, Normalize, SampleDecoder
 
 __all__ = ["BAD_KINDS", "DataError", "EpochSchedule", "ImageTransform", "Normalize", "SampleDecoder",
-           "StreamCounter", "TrainLoader", "build_epoch_schedule", "build_train_loader", "expand_sources",
-           "expand_urls", "read_shard", "shard_counts"]
+           "StreamCounter", "TrainLoader", "auto_num_workers", "build_epoch_schedule", "build_train_loader",
+           "expand_sources", "expand_urls", "read_shard", "shard_counts"]

@@ -28,6 +28,7 @@ continues; it yields exactly the batches an uninterrupted loader would have yiel
 from __future__ import annotations
 
 import logging
+import os
 import random
 import signal
 from typing import Iterator
@@ -206,7 +207,7 @@ class TrainLoader:
                  state: dict | None = None):
         self.schedule, self.rank, self.cfg, self.prep, self.collate = schedule, rank, cfg, prep, collate
         self.streams = schedule.workers_of(rank)
-        self.num_workers = self.streams if cfg.num_workers > 0 else 0   # DataLoader processes
+        self.num_workers = self.streams if schedule.num_workers > 0 else 0   # DataLoader processes
         self.batches = 0                                   # handed to the trainer
         self._streams: list[dict | None] = [None] * self.streams
         self.examples: dict[str, str] = {}                 # kind -> a path where it happened
@@ -230,7 +231,8 @@ class TrainLoader:
     def _check(self, state: dict) -> None:
         fixes = {"seed": "run with the seed of the saved run", "world_size": "launch as many ranks as the "
                  "saved run", "rank": "load the state saved by this rank", "micro_batch_size": "keep "
-                 "batch.micro_batch_size", "streams": "keep data.num_workers (streams per rank)",
+                 "batch.micro_batch_size", "streams": "keep data.num_workers (streams per rank), or set it "
+                 "to auto, which takes the saved count",
                  "shards": "keep data.train_shards / data.train_weights and the shard sample counts (index JSON)", "policy": "keep data.policy",
                  "epoch_batches": "keep data.epoch_batches", "version": "resume with the same rsclip_ds"}
         saved = {k: state.get(k) for k in fixes}
@@ -298,24 +300,57 @@ def _ignore_sigterm(_worker_id: int) -> None:
     signal.signal(signal.SIGTERM, first)
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on: its affinity mask (a container's cpuset, taskset,
+    numactl), not the machine's count. A CPU quota (docker --cpus) does not show here."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not Linux
+        return os.cpu_count() or 1
+
+
+def auto_num_workers(cores: int, local_ranks: int) -> int:
+    """data.num_workers=auto: the node's cores shared by its ranks, one core of each share left
+    to the rank's own process (it receives the batches and drives the device), at least 1."""
+    return max(1, cores // max(1, local_ranks) - 1)
+
+
+def _requested_workers(cfg: DataConfig, state: dict | None, cores: int, local_ranks: int) -> tuple[int, str]:
+    """Workers per rank before the 'exact' cap, and why (for the log line of 'auto')."""
+    if cfg.num_workers != "auto":
+        return cfg.num_workers, ""
+    mine = auto_num_workers(cores, local_ranks)
+    saved = len(state["streams"]) if state is not None else None
+    if saved is not None and saved != mine:   # exact resume needs the saved streams
+        return saved, (f"the saved data position's count, which exact resume needs; {cores} core(s) for "
+                       f"{local_ranks} rank(s) here would give {mine}")
+    return mine, f"{cores} core(s) for {local_ranks} rank(s) on this node, less one per rank for its own process"
+
+
 def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_length: int,
                        micro_batch_size: int, rank: int, world_size: int, seed: int,
-                       return_keys: bool = False, state: dict | None = None,
-                       image_mean=None, image_std=None) -> TrainLoader:
+                       return_keys: bool = False, state: dict | None = None, local_world_size: int = 1,
+                       cores: int | None = None, image_mean=None, image_std=None) -> TrainLoader:
     """Endless iterable of full micro-batches for ``rank`` (see the module docstring).
 
-    ``image_mean`` / ``image_std``: unused since batches carry uint8 pixels (the model
-    normalises them); accepted so that callers written before keep working.
-    ``state``: a ``loader.state_dict()`` to resume from;
+    ``local_world_size`` (ranks on this node) and ``cores`` (default: this process's
+    available_cores()) size data.num_workers=auto. ``image_mean`` / ``image_std``: unused since
+    batches carry uint8 pixels (the model normalises them); accepted so that callers written
+    before keep working. ``state``: a ``loader.state_dict()`` to resume from;
     a state saved with another seed, world size, worker count, shard list or micro batch is a
     ValueError that names the difference."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
-    schedule = build_epoch_schedule(cfg, micro_batch_size=micro_batch_size, world_size=world_size, seed=seed)
-    if schedule.policy == "exact" and cfg.num_workers > schedule.workers_of(rank):
+    workers, why = _requested_workers(cfg, state, available_cores() if cores is None else cores, local_world_size)
+    schedule = build_epoch_schedule(cfg, micro_batch_size=micro_batch_size, world_size=world_size, seed=seed,
+                                    num_workers=workers)
+    used, shards = schedule.workers_of(rank), len(range(rank, len(schedule.urls), world_size))
+    if why and rank == 0:
+        log.info("data.num_workers=auto: %d worker(s) per rank (%s)%s", workers, why,
+                 f"; rank 0 has {shards} shard(s) and uses {used}" if used < workers else "")
+    elif not why and schedule.policy == "exact" and workers > used:
         log.warning("rank %d has %d shard(s) for data.num_workers=%d; using %d worker(s) so that "
-                    "none idles", rank, len(range(rank, len(schedule.urls), world_size)), cfg.num_workers,
-                    schedule.workers_of(rank))
+                    "none idles", rank, shards, workers, used)
     prep = SampleDecoder(ImageTransform.from_config(image_size, cfg), _split_keys(cfg.image_key),
                          _split_keys(cfg.caption_key))
     collate = Collate(tokenizer, max_text_length, micro_batch_size, return_keys)
