@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from rsclip_ds.config import DataConfig
 from rsclip_ds.data.bad import BAD_KINDS, DataError, StreamCounter, check_bad_fraction
 from rsclip_ds.data.schedule import EpochSchedule, build_epoch_schedule, derive_seed
+from rsclip_ds.data.sources import shard_counts, shard_counts_from_rank0
 from rsclip_ds.data.tar import read_shard
 from rsclip_ds.data.tokenizer import tokenize
 from rsclip_ds.data.transforms import ImageTransform, SampleDecoder
@@ -327,6 +328,16 @@ def _requested_workers(cfg: DataConfig, state: dict | None, cores: int, local_ra
     return mine, f"{cores} core(s) for {local_ranks} rank(s) on this node, less one per rank for its own process"
 
 
+def _is_rank_of_group(rank: int, world_size: int) -> bool:
+    """Whether the caller is ``rank`` of a started process group of ``world_size`` > 1 ranks (a
+    training run): then rank 0 reads the shard counts for all. Tests that play several ranks in
+    one process have no group, and read them themselves."""
+    import torch.distributed as dist
+
+    return (world_size > 1 and dist.is_available() and dist.is_initialized()
+            and (dist.get_rank(), dist.get_world_size()) == (rank, world_size))
+
+
 def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_length: int,
                        micro_batch_size: int, rank: int, world_size: int, seed: int,
                        return_keys: bool = False, state: dict | None = None, local_world_size: int = 1,
@@ -343,7 +354,8 @@ def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_
         raise ValueError(f"rank {rank} is outside world size {world_size}")
     workers, why = _requested_workers(cfg, state, available_cores() if cores is None else cores, local_world_size)
     schedule = build_epoch_schedule(cfg, micro_batch_size=micro_batch_size, world_size=world_size, seed=seed,
-                                    num_workers=workers)
+                                    num_workers=workers, read_counts=shard_counts_from_rank0
+                                    if _is_rank_of_group(rank, world_size) else shard_counts)
     used, shards = schedule.workers_of(rank), len(range(rank, len(schedule.urls), world_size))
     if why and rank == 0:
         log.info("data.num_workers=auto: %d worker(s) per rank (%s)%s", workers, why,

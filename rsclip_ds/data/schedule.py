@@ -130,10 +130,11 @@ class EpochSchedule:
 
 
 def build_epoch_schedule(cfg: DataConfig, *, micro_batch_size: int, world_size: int, seed: int,
-                         num_workers: int | None = None) -> EpochSchedule:
+                         num_workers: int | None = None, read_counts=shard_counts) -> EpochSchedule:
     """Shard list, weights and counts -> the schedule every rank shares (validates the combination).
     ``num_workers``: workers per rank, resolved (build_train_loader sizes data.num_workers=auto);
-    default cfg.num_workers, which must then be a number."""
+    default cfg.num_workers, which must then be a number. ``read_counts(urls, shard_index)``:
+    shard_counts, or shard_counts_from_rank0 in a multi-rank run."""
     workers = cfg.num_workers if num_workers is None else num_workers
     if not isinstance(workers, int):
         raise ValueError(f"data.num_workers={workers!r}: pass the resolved worker count as num_workers "
@@ -152,7 +153,7 @@ def build_epoch_schedule(cfg: DataConfig, *, micro_batch_size: int, world_size: 
                          "for fractional weights")
     schedule = EpochSchedule(sources, weights, cfg.policy, seed, world_size, workers, micro_batch_size)
     if cfg.policy == "exact" or cfg.epoch_batches is None:
-        schedule.counts = shard_counts(schedule.urls, cfg.shard_index)
+        schedule.counts = read_counts(schedule.urls, cfg.shard_index)
     if cfg.policy == "resampled":
         schedule.epoch_batches = cfg.epoch_batches or sum(schedule.counts.values()) // (world_size * micro_batch_size)
         if schedule.epoch_batches < 1:
