@@ -24,7 +24,7 @@ import torch
 
 from rsclip_ds.checkpoint import Checkpointer, checkpoint_root, write_hf_extras
 from rsclip_ds.config import ConfigError, RunConfig
-from rsclip_ds.data import build_train_loader, expand_urls
+from rsclip_ds.data import build_train_loader, check_shared_memory, expand_urls
 from rsclip_ds.distributed import (DistInfo, Heartbeat, StopFlag, accelerator_is_gpu, configure_logging,
                                    destroy_distributed, init_distributed, process_group_exists,
                                    world_size_from_env)
@@ -145,6 +145,8 @@ class Trainer:
             max_text_length=bundle.max_text_length, micro_batch_size=batch.micro,
             rank=info.rank, world_size=info.world_size, seed=run.seed, local_world_size=info.local_world_size,
             state=resume["data"] if resume else None)
+        if self.loader is None:   # its workers hand batches over /dev/shm: fail now, not with SIGBUS later
+            check_shared_memory(loader, held=batch.accumulation, local_ranks=info.local_world_size)
         if self.wrap_loader is not None:
             loader = self.wrap_loader(loader)
         loss_fn = build_loss(run.loss.name, negatives=run.loss.negatives, rank=info.rank,

@@ -28,16 +28,18 @@ continues; it yields exactly the batches an uninterrupted loader would have yiel
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
+import shutil
 import signal
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from rsclip_ds.config import DataConfig
+from rsclip_ds.config import ConfigError, DataConfig
 from rsclip_ds.data.bad import BAD_KINDS, DataError, StreamCounter, check_bad_fraction
 from rsclip_ds.data.schedule import EpochSchedule, build_epoch_schedule, derive_seed
 from rsclip_ds.data.sources import shard_counts, shard_counts_from_rank0
@@ -47,6 +49,7 @@ from rsclip_ds.data.transforms import ImageTransform, SampleDecoder
 
 log = logging.getLogger("rsclip_ds.data")
 STATE_VERSION = 1
+PREFETCH_FACTOR = 2   # batches each DataLoader worker has in flight
 
 
 def _shuffled(src: Iterator[dict], bufsize: int, rng: random.Random) -> Iterator[dict]:
@@ -274,6 +277,12 @@ class TrainLoader:
         check_bad_fraction(bad, self.samples_seen, shards, self.cfg.max_bad_fraction,
                            self.cfg.bad_data_min_samples, f"rank {self.rank}", self.examples)
 
+    @property
+    def batch_bytes(self) -> int:
+        """Bytes of one batch in shared memory: uint8 pixels (B,3,S,S) and int64 token ids (B,L)."""
+        size = self.prep.transform.size
+        return self.collate.micro * (3 * size * size + 8 * self.collate.max_text_length)
+
     # ---- iteration
     def __iter__(self) -> Iterator[dict]:
         """Batches from the current position on (a second iter() continues, it does not restart)."""
@@ -283,7 +292,7 @@ class TrainLoader:
         # DataLoader takes batch i from worker i % workers, which the epoch schedule relies on.
         loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
                             persistent_workers=False, pin_memory=torch.cuda.is_available(),
-                            prefetch_factor=2 if self.num_workers else None,
+                            prefetch_factor=PREFETCH_FACTOR if self.num_workers else None,
                             worker_init_fn=_ignore_sigterm if self.num_workers else None)
         for batch in loader:
             self._on_batch(batch.pop("_meta"))
@@ -367,3 +376,50 @@ def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_
                          _split_keys(cfg.caption_key))
     collate = Collate(tokenizer, max_text_length, micro_batch_size, return_keys)
     return TrainLoader(schedule, rank, cfg, prep, collate, state=state)
+
+
+# --------------------------------------------------------------------------- shared memory
+
+SHM_MARGIN = 1.25   # token-id pickles, allocator rounding, the collective library's own segments
+
+
+def shared_memory_need(batch_bytes: int, workers: int, held: int, local_ranks: int) -> int:
+    """/dev/shm bytes the loaders of one node hold at most:
+        local_ranks x ceil(1.25 x batch_bytes x (PREFETCH_FACTOR x workers + held)),
+    per rank the batches its workers have in flight plus the ``held`` ones its train step keeps
+    (a step takes all its accumulation steps' micro-batches before it starts). 0 without
+    workers: batches are then made in the rank's own process, in ordinary memory."""
+    if workers == 0:
+        return 0
+    return local_ranks * math.ceil(SHM_MARGIN * batch_bytes * (PREFETCH_FACTOR * workers + held))
+
+
+def _free_bytes(path: str) -> int:
+    return shutil.disk_usage(path).free
+
+
+def check_shared_memory(loader: TrainLoader, *, held: int, local_ranks: int, path: str = "/dev/shm",
+                        free_bytes: Callable[[str], int] = _free_bytes) -> int:
+    """Raise ConfigError, naming the fixes, when ``path`` has less room than the loaders of this
+    node need (shared_memory_need): a worker that cannot grow its batch there dies of SIGBUS
+    mid-run (Docker's default /dev/shm is 64 MB). -> the bytes needed. No check where ``path``
+    does not exist (not Linux)."""
+    need = shared_memory_need(loader.batch_bytes, loader.num_workers, held, local_ranks)
+    if need == 0 or not os.path.isdir(path):
+        return need
+    free = free_bytes(path)
+    if free >= need:
+        return need
+    mib, size = 2 ** 20, loader.prep.transform.size
+    per_rank = SHM_MARGIN * loader.batch_bytes * local_ranks
+    fits = math.floor((free / per_rank - held) / PREFETCH_FACTOR)   # workers that would fit
+    raise ConfigError(
+        f"the data loader needs ~{need / mib:.0f} MiB of shared memory on this node, {path} has "
+        f"{free / mib:.0f} MiB free: {local_ranks} rank(s) x ({loader.num_workers} worker(s) x "
+        f"{PREFETCH_FACTOR} batches in flight + {held} held by the step) x {loader.batch_bytes / mib:.1f} MiB "
+        f"(micro batch {loader.collate.micro} at {size} px, uint8) x {SHM_MARGIN} margin. Fix one of: give "
+        f"the container more (docker run --shm-size={max(1, math.ceil(need / 2 ** 30))}g ...; Kubernetes: an "
+        f"emptyDir with medium: Memory mounted at /dev/shm); "
+        + (f"--set data.num_workers={fits} (fits); " if fits >= 1 else "")
+        + "a smaller batch.micro_batch_size; or --set data.num_workers=0 (no shared memory: batches are "
+        "made in each rank's own process, slower)")

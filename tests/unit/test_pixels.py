@@ -1,6 +1,6 @@
 """uint8 pixels from the loader to the model: the model's normalisation on the device equals
 the numpy float32 path it replaced, bit for bit; batches carry a quarter of the bytes; a train
-step and evaluation see the same numbers as before."""
+step sees the same numbers as before; the start-up check of /dev/shm counts those bytes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from rsclip_ds.config import DataConfig
-from rsclip_ds.data import Normalize, build_train_loader
+from rsclip_ds.config import ConfigError, DataConfig
+from rsclip_ds.data import Normalize, build_train_loader, check_shared_memory
 from rsclip_ds.losses import siglip_loss
 from rsclip_ds.model import ModelBundle, new_dual_encoder, normalize_pixels, preset_config
 from rsclip_ds.train import train_step, train_step_global
@@ -106,10 +106,10 @@ def index(tiny_shards, tiny_tokenizer):
     return {**tiny_shards, "tokenizer": tiny_tokenizer}
 
 
-def _loader(index, workers, size=16):
+def _loader(index, workers, size=16, micro=8, cores=None):
     cfg = DataConfig(train_shards=index["train_pattern"], num_workers=workers, shuffle_buffer=16)
     return build_train_loader(cfg, tokenizer=index["tokenizer"], image_size=size, max_text_length=40,
-                              micro_batch_size=8, rank=0, world_size=1, seed=0)
+                              micro_batch_size=micro, rank=0, world_size=1, seed=0, cores=cores)
 
 
 def test_worker_batches_are_uint8_in_shared_memory_with_a_quarter_of_the_bytes(index, monkeypatch):
@@ -123,3 +123,43 @@ def test_worker_batches_are_uint8_in_shared_memory_with_a_quarter_of_the_bytes(i
         assert pixels.untyped_storage().nbytes() == 8 * 3 * 16 * 16 and pixels.is_shared()
         assert pixels.float().std() > 10   # real images, not blank
         assert torch.equal(pixels, p["pixel_values"]) and torch.equal(w["input_ids"], p["input_ids"])
+
+        assert pixels.untyped_storage().nbytes() + w["input_ids"].untyped_storage().nbytes() == \
+            _loader(index, 1).batch_bytes   # what the /dev/shm check counts per batch
+
+
+MIB = 2 ** 20
+
+
+def test_a_64_mb_dev_shm_is_refused_before_training_with_the_fixes(index, tmp_path):
+    """Docker's default /dev/shm (64 MiB) against micro 128 at 256 px with one worker (auto on
+    2 cores): 3 batches of 24 MiB in flight, with the margin ~90 MiB, is refused and the message
+    names the fixes; micro 32 fits; no workers, no shared memory; float32 pixels would have
+    needed 4x (what the bus errors came from)."""
+    docker_default = lambda path: 64 * MIB   # noqa: E731
+    big = _loader(index, "auto", size=256, micro=128, cores=2)
+    assert big.num_workers == 1
+    pixel_bytes = 128 * 3 * 256 * 256
+    assert pixel_bytes <= big.batch_bytes < 1.01 * pixel_bytes   # token ids are the rest
+    with pytest.raises(ConfigError) as err:
+        check_shared_memory(big, held=1, local_ranks=1, path=str(tmp_path), free_bytes=docker_default)
+    message = str(err.value)
+    assert "needs ~90 MiB of shared memory on this node" in message and "has 64 MiB free" in message
+    for fix in ("docker run --shm-size=1g", "batch.micro_batch_size", "--set data.num_workers=0"):
+        assert fix in message
+    # 2 ranks on the node, 2 micro-batches held by an accumulating step: twice the ranks, 4 batches
+    with pytest.raises(ConfigError, match="~240 MiB"):
+        check_shared_memory(big, held=2, local_ranks=2, path=str(tmp_path), free_bytes=docker_default)
+    small = _loader(index, "auto", size=256, micro=32, cores=2)
+    need = check_shared_memory(small, held=1, local_ranks=1, path=str(tmp_path), free_bytes=docker_default)
+    assert 20 * MIB < need < 25 * MIB
+    nothing = _loader(index, 0, size=256, micro=128)
+    assert check_shared_memory(nothing, held=1, local_ranks=8, path=str(tmp_path), free_bytes=lambda p: 0) == 0
+    assert check_shared_memory(big, held=1, local_ranks=1, path=str(tmp_path / "absent"), free_bytes=lambda p: 0) > 0
+
+
+def test_the_message_says_how_many_workers_fit(index, tmp_path):
+    loader = _loader(index, 8, size=256, micro=32)   # 8 shards: 8 workers
+    with pytest.raises(ConfigError, match=r"--set data.num_workers=3 \(fits\)"):
+        # 1.25 x 6.3 MiB x (2 x 3 + 1) = 55 MiB fits in 64, 4 workers (71 MiB) would not
+        check_shared_memory(loader, held=1, local_ranks=1, path=str(tmp_path), free_bytes=lambda p: 64 * MIB)
