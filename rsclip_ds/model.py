@@ -63,7 +63,9 @@ def normalize_pixels(pixels: torch.Tensor, mean, std, dtype: torch.dtype = torch
     host-to-device copy, which waits for the stream, in every forward."""
     std_t, mean_t = torch.tensor(std, dtype=torch.float32), torch.tensor(mean, dtype=torch.float32)
     scales, shifts = (1.0 / (255.0 * std_t)).tolist(), (-mean_t / std_t).tolist()   # float32 values
-    out = pixels.to(torch.float32, memory_format=torch.contiguous_format)   # (B, 3, S, S) f32
+    # uint8 made contiguous first: casting the channels-last view straight to a contiguous
+    # float32 took 2.4x as long on this CPU (600 ms against 250 ms for 128 x 256 px)
+    out = pixels.contiguous().to(torch.float32)                              # (B, 3, S, S) f32
     for c, (scale, shift) in enumerate(zip(scales, shifts)):
         out[:, c].mul_(scale).add_(shift)
     return out.to(dtype)
