@@ -18,6 +18,10 @@ samples without an image or caption are skipped and counted by kind (``loader.ba
 the first examples of each kind are logged with their path, then one line per power of ten.
 More than ``data.max_bad_fraction`` bad samples or shards stops the run with ``DataError``.
 
+Workers and shared memory. ``data.num_workers=auto`` shares the node's cores among its ranks
+(auto_num_workers); worker batches travel through /dev/shm, whose free space the Trainer checks
+at start-up against what the loaders of the node can hold (check_shared_memory).
+
 Resume. ``loader.state_dict()`` is the position after the last batch handed to the trainer
 (not after the batches the workers prefetched): per worker the epoch, the samples taken from its
 shuffle buffer, the batches delivered, the shards opened, its bad-data counts. A loader built
