@@ -57,7 +57,7 @@ def normalize_pixels(pixels: torch.Tensor, mean, std, dtype: torch.dtype = torch
     Computed as ``x * (1 / (255 std)) + (-mean / std)`` in float32 -- two roundings, the constants
     rounded to float32 first -- then cast: bit for bit the numbers of the numpy reference
     (``data.transforms.Normalize``, which the loader ran on the CPU before) in every precision
-    (tests/unit/test_model.py checks all 256 values per channel). The float32 intermediate costs
+    (tests/unit/test_pixels.py checks all 256 values per channel). The float32 intermediate costs
     4 bytes per pixel on the device for the moment of the cast (96 MiB for 128 x 256 px).
     The per-channel constants go in as Python scalars: a (3,) tensor built on a GPU would be a
     host-to-device copy, which waits for the stream, in every forward."""

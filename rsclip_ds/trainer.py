@@ -6,9 +6,9 @@
 The order of assembly is stated once, in `Trainer.build`: profile and DeepSpeed config (checked
 before any process group) -> model (+ activation checkpointing) -> evaluation hook (reads its
 data sets before training) -> engine -> checkpointer (+ resume) -> loader (at the resumed
-position; then the /dev/shm check) -> loss -> fault guard. The CLI, the evaluation worker, the benchmarks and the tests
-all build runs here; a benchmark swaps a part through the seams (`model=`, `wrap_loader=`,
-`hooks=`), never by patching the package.
+position; then the /dev/shm check) -> loss -> fault guard. The CLI, the evaluation worker, the
+benchmarks and the tests all build runs here; a benchmark swaps a part through the seams
+(`model=`, `wrap_loader=`, `hooks=`), never by patching the package.
 """
 
 from __future__ import annotations

@@ -126,7 +126,6 @@ def shard_counts(urls: Sequence[str], shard_index: str | None = None) -> dict[st
     return counts
 
 
-
 def shard_counts_from_rank0(urls: Sequence[str], shard_index: str | None = None, *,
                             read=shard_counts) -> dict[str, int]:
     """``read(urls, shard_index)`` (shard_counts) on global rank 0 alone, broadcast to the other

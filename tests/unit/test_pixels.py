@@ -18,7 +18,8 @@ from rsclip_ds.train import train_step, train_step_global
 from tests.helpers import LocalEngine
 
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
-STATS = [((0.5,) * 3, (0.5,) * 3), (CLIP_MEAN, CLIP_STD), ((0.0,) * 3, (1.0,) * 3), ((0.1, 0.2, 0.3), (0.11, 0.07, 0.9))]
+STATS = [((0.5,) * 3, (0.5,) * 3), (CLIP_MEAN, CLIP_STD), ((0.0,) * 3, (1.0,) * 3),
+         ((0.1, 0.2, 0.3), (0.11, 0.07, 0.9))]
 
 
 def _random_batch(b=4, size=64, length=48, seed=0):
