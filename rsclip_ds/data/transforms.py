@@ -8,8 +8,8 @@ augmentation off. Training also decodes large JPEGs at a reduced DCT scale (``dr
 decoding, taken only when the image is at least twice the size needed); that changes pixels
 slightly against a full decode (docs/data.md gives the measured size), and
 ``data.jpeg_draft=false`` turns it off, making training pixels bit-identical to evaluation's
-(tests/unit/test_transforms.py). ``Normalize`` maps uint8 batches to the model's normalised
-float32, for both.
+(tests/unit/test_transforms.py). Pixels leave as uint8, for both: the model normalises them on
+the device (model.normalize_pixels); ``Normalize`` is its numpy reference twin.
 """
 
 from __future__ import annotations
@@ -82,8 +82,9 @@ class ImageTransform:
 
 class Normalize:
     """uint8 pixels (B, S, S, 3) -> float32 (B, 3, S, S), ``(x / 255 - mean) / std``, written
-    into ``out`` when given (the loader passes shared memory). numpy: one pass uint8 -> scaled
-    float32 and one add (this CPU's torch takes ~1.3x longer)."""
+    into ``out`` when given. The reference twin of ``model.normalize_pixels`` (what the loader
+    ran on the CPU before batches went uint8): the tests hold the device path to its numbers,
+    bit for bit."""
 
     def __init__(self, mean, std):
         std = np.asarray(std, np.float32).reshape(1, 3, 1, 1)
