@@ -264,11 +264,13 @@ def activation_bytes_per_sample(config, precision: str = "bf16", checkpointing: 
 
 
 def logits_bytes(loss: str, rows: int, cols: int) -> int:
-    """Bytes the loss saves for backward for `rows` local samples against `cols` candidates:
-    fp32 (rows, cols) tensors: siglip keeps logits, label*logits, and the logsigmoid buffer
-    (3); clip keeps the scaled logits and the log-softmax, for both directions (4). The ring
-    form saves every arriving (B_local, B_local) block, so it is (B_local, B_global) as well."""
-    return {"siglip": 3, "clip": 4}[loss] * 4 * rows * cols
+    """Bytes the loss saves for backward for `rows` local samples against `cols` candidates, as
+    fp32 (rows, cols) tensors counted with saved_tensors_hooks under torch 2.13: siglip keeps the
+    logits, label*logits and logsigmoid's two buffers (4); clip with global negatives two
+    (rows, cols) logits and their log-softmax outputs (4; the local form shares one logits
+    matrix: 2, counted as 4 here). The ring form saves every arriving (B_local, B_local) block,
+    so it is (B_local, B_global) as well."""
+    return {"siglip": 4, "clip": 4}[loss] * 4 * rows * cols
 
 
 # --------------------------------------------------------------------------- model states

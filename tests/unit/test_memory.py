@@ -13,7 +13,7 @@ import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-from rsclip_ds.memory import (GiB, _probe, activation_bytes_per_sample, model_state_bytes, peak, preset_spec,
+from rsclip_ds.memory import (GiB, _probe, activation_bytes_per_sample, logits_bytes, model_state_bytes, peak, preset_spec,
                               saved_bytes, scaled_spec)
 from rsclip_ds.planner import Budget, plan, recommend
 from rsclip_ds.profiles import PROFILE_DIR, Profile, load_profile
@@ -263,3 +263,20 @@ def test_plan_json_stdout_is_only_json():
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)   # the whole of stdout, nothing before or after
     assert doc["model"] == "tiny" and doc["recommended"]["fits"]
+
+
+@pytest.mark.parametrize("name", ["siglip", "clip"])
+def test_logits_bytes_cover_what_the_loss_saves(name):
+    """The loss's saved tensors, counted with saved_tensors_hooks on a real (local) loss, are
+    within logits_bytes (siglip exactly: 4 fp32 (B, B) tensors)."""
+    from rsclip_ds.losses import build_loss
+
+    b, d = 256, 8
+    fn = build_loss(name, negatives="local", rank=0, world_size=1, chunk_size=None)
+    image = torch.nn.functional.normalize(torch.randn(b, d), dim=-1).requires_grad_()
+    text = torch.nn.functional.normalize(torch.randn(b, d), dim=-1).requires_grad_()
+    scale, bias = torch.tensor([2.3], requires_grad=True), torch.tensor([-10.0], requires_grad=True)
+    saved = saved_bytes(lambda: fn(image, text, scale, bias), [image, text, scale, bias])
+    assert saved <= logits_bytes(name, b, b) * 1.01
+    if name == "siglip":
+        assert saved == pytest.approx(logits_bytes(name, b, b), rel=0.01)
