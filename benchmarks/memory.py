@@ -58,15 +58,19 @@ bytes saved for backward by one micro-batch forward of the towers (the loss excl
 and gathered ZeRO-3 parameters excluded) vs activation_bytes_per_sample(...) x micro. With
 activation checkpointing (zero3_offload) measured = saved by the forward (layer inputs) + the
 largest single recomputed layer during backward, the quantity the model's formula describes.
-Peak memory: `ru_maxrss` of the process on CPU (monotonic over the run, so it is the peak *so
-far*; profiles run in file order), `torch.cuda.max_memory_allocated` (reset per profile) on GPU.
+Peak memory (what decides whether a run fits), with `--accumulation K [K ...]`: per profile and K,
+a fresh engine with K micro-batches per optimizer step; the peak over its second optimizer step
+against `memory.peak(...)` (allocated on a GPU, `.host` on CPU ranks), within 15%. How it is
+measured on CPU ranks (the resident set's high-water mark, glibc tuned): benchmarks/memory_peak.py.
+
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 benchmarks/memory.py --preset git-rsclip-base --micro 2 \
+        --steps 1 --accumulation 1 4 --out benchmarks/results/memory_peak_base.json
 """
 
 from __future__ import annotations
 
 import gc
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -81,6 +85,7 @@ from harness import (base_parser, environment, finish, max_over_ranks, process_g
                      save_figure)
 import memory_build
 from memory_counting import measured_step
+from memory_peak import measured_peak, resident_bytes, tune_host_allocator
 from rsclip_ds import memory
 from rsclip_ds.config import load_config
 from rsclip_ds.engine import engine_dtype
@@ -89,7 +94,7 @@ from rsclip_ds.profiles import available_profiles
 from rsclip_ds.train import train_step
 from rsclip_ds.trainer import Trainer
 
-MODEL_TOL, ACT_TOL = 0.10, 0.15
+MODEL_TOL, ACT_TOL, PEAK_TOL = 0.10, 0.15, 0.15
 ROLES = ("params", "grads", "optimizer")
 
 
@@ -140,16 +145,47 @@ def run_profile(name: str, args, on_gpu: bool) -> dict:
             checkpointing = parts.activation_checkpointing
         del trainer, parts, engine, bundle, batches   # the next profile starts without this one's engine
     gc.collect()
-    peak = torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     spec = memory.preset_spec(args.preset, run.finetune)   # LoRA's weights in .params; .trainable
     per_node = min(world, int(os.environ.get("LOCAL_SIZE", world)))
-    states = memory.model_state_bytes(spec.params, spec.largest_layer, prof.stage, prof.offload_optimizer,
-                                      prof.offload_param, args.precision, world, per_node,
-                                      prof.strategy.get("zero_optimization"), trainable=spec.trainable)
+    states = memory.model_state_bytes(spec.params, prof.stage, prof.offload_optimizer, prof.offload_param,
+                                      args.precision, world, per_node, trainable=spec.trainable)
     act_pred = sum(memory.activation_bytes_per_sample(config, args.precision, checkpointing, spec.finetune_json,
                                                       zero3=prof.stage == 3).values()) * args.micro
-    return compare(name, prof, spec, states, held, persistent, act, act_pred, act_parts, peak,
+    return compare(name, prof, spec, states, held, persistent, act, act_pred, act_parts,
                    statistics.median(times[1:] or times), per_node, checkpointing)
+
+
+def run_peak(name: str, args, on_gpu: bool, accumulation: int) -> dict:
+    """The peak of one rank over an optimizer step of `accumulation` micro-batches ('plain'
+    accumulation, as the planner is asked), measured (memory_peak.py) and predicted."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    base = 0 if on_gpu else resident_bytes()   # before the model: what the process holds anyway
+    with tempfile.TemporaryDirectory() as out_dir, torch_linear_after():
+        run = run_config(name, args, out_dir, [f"batch.gradient_accumulation_steps={accumulation}",
+                                               "batch.accumulation=plain"])
+        bundle = preset_bundle(args.preset, None, run.seed, own_vocabulary=True)
+        config = bundle.model.config
+        seeds = [1000 * accumulation + 10 * i + rank for i in range(2 * accumulation)]
+        batch = make_batch(config, args.micro, 0)
+        input_bytes = sum(t.nbytes for t in batch.values()) // args.micro
+        with Trainer(run, model=bundle, loader=random_batches(config, args.micro, seeds)) as trainer:
+            parts = trainer.build()
+            del bundle
+            measured = measured_peak(parts.engine, iter(parts.loader), parts.loss_fn, accumulation, on_gpu, base)
+            prof, checkpointing = trainer.profile, parts.activation_checkpointing
+        del trainer, parts
+    gc.collect()
+    per_node = min(world, int(os.environ.get("LOCAL_SIZE", world)))
+    spec = memory.preset_spec(args.preset, run.finetune)
+    pred = memory.peak(spec, prof, args.precision, world, per_node, micro=args.micro,
+                       accumulation_steps=accumulation, checkpointing=checkpointing, accumulation="plain",
+                       device="cuda" if on_gpu else "cpu", input_bytes=input_bytes)
+    predicted = pred.allocated if on_gpu else pred.host
+    peak_bytes, seconds = max_over_ranks([float(measured["peak"]), measured["seconds"]])
+    return {"accumulation": accumulation, "predicted": predicted, "measured": int(peak_bytes),
+            "ratio": _ratio(peak_bytes, predicted), "reserved_measured": measured["reserved"],
+            "reserved_predicted": pred.reserved if on_gpu else None, "terms": pred.to_dict(),
+            "step_seconds": seconds, "pass": bool(abs(_ratio(peak_bytes, predicted) - 1) <= PEAK_TOL)}
 
 
 @contextmanager
@@ -167,12 +203,12 @@ def torch_linear_after():
         torch.nn.functional.linear = linear
 
 
-def run_config(profile: str, args, out_dir: str):
+def run_config(profile: str, args, out_dir: str, extra: list[str] = ()):
     """The run config of one profile: this script's settings, then the --set fine-tuning controls."""
     return load_config(None, [f"profile={profile}", f"precision={args.precision}", f"model.preset={args.preset}",
                               f"batch.micro_batch_size={args.micro}", f"steps={args.steps + 1}",
                               "optim.warmup_steps=0", f"output_dir={out_dir}", "checkpoint.at_end=false",
-                              *args.set])
+                              *extra, *args.set])
 
 
 def _ratio(measured: float, predicted: float) -> float:
@@ -181,7 +217,7 @@ def _ratio(measured: float, predicted: float) -> float:
     return measured / predicted
 
 
-def compare(name, prof, spec, states, held, persistent, act, act_pred, act_parts, peak, step_s,
+def compare(name, prof, spec, states, held, persistent, act, act_pred, act_parts, step_s,
             per_node, checkpointing) -> dict:
     gpu = held["params", "gpu"] + held["grads", "gpu"] + held["optimizer", "gpu"]
     cpu = held["params", "cpu"] + held["grads", "cpu"] + held["optimizer", "cpu"]
@@ -198,7 +234,7 @@ def compare(name, prof, spec, states, held, persistent, act, act_pred, act_parts
                     "cpu_term": ("offloaded states" if states.cpu_node > build_copy else "fp32 build copy")
                     if offloaded else "none"},
         "activations": {"predicted": act_pred, "measured": act, "ratio": _ratio(act, act_pred), **act_parts},
-        "peak_bytes": peak, "step_seconds": step_s,
+        "step_seconds": step_s, "peaks": [],
     }
     row["offload"]["comparable"] = row["offload"]["cpu_term"] != "fp32 build copy"
     ok_gpu = abs(row["gpu"]["ratio"] - 1) <= MODEL_TOL
@@ -212,13 +248,13 @@ def reduce_over_ranks(row: dict) -> None:
     """Byte counts and times in `row` become the largest rank's (partitions differ by padding
     only), and the ratios are taken again from them."""
     keys = ("gpu", "offload", "activations")
-    flat = max_over_ranks([float(row[k]["measured"]) for k in keys] + [float(row["peak_bytes"]), row["step_seconds"]]
+    flat = max_over_ranks([float(row[k]["measured"]) for k in keys] + [row["step_seconds"]]
                           + [float(v) for v in row["measured"].values()])
     for k, v in zip(keys, flat):
         row[k]["measured"] = int(v)
         row[k]["ratio"] = _ratio(row[k]["measured"], row[k]["predicted"])
-    row["peak_bytes"], row["step_seconds"] = int(flat[3]), flat[4]
-    row["measured"] = dict(zip(row["measured"], map(int, flat[5:])))
+    row["step_seconds"] = flat[3]
+    row["measured"] = dict(zip(row["measured"], map(int, flat[4:])))
 
 
 # --------------------------------------------------------------------------- report
@@ -237,8 +273,10 @@ def print_table(report: dict) -> None:
     cfg = report["config"]
     table = Table(title=escape(f"{cfg['preset']} {cfg['precision']}{mode_label(cfg)}, "
                                f"{report['environment']['world_size']} ranks: per rank, MiB (max over ranks)"))
+    ks = sorted({p["accumulation"] for r in report["profiles"] for p in r["peaks"]})
     for col in ("profile", "gpu pred", "gpu meas", "ratio", "offl pred", "offl meas", "ratio",
-                "states", "act pred", "act meas", "ratio", "act", "persist", "peak", "step ms"):
+                "states", "act pred", "act meas", "ratio", "act", "persist",
+                *(f"peak k={k} pred/meas (ratio)" for k in ks), "step ms"):
         table.add_column(col, justify="right")
     for r in report["profiles"]:
         g, o, a = r["gpu"], r["offload"], r["activations"]
@@ -248,7 +286,9 @@ def print_table(report: dict) -> None:
                       "PASS" if r["model_states_pass"] else "FAIL",
                       f"{a['predicted'] / mib:.3f}", f"{a['measured'] / mib:.3f}", f"{a['ratio']:.3f}",
                       "PASS" if r["activations_pass"] else "FAIL",
-                      f"{r['persistent_gathered_bytes'] / mib:.3f}", f"{r['peak_bytes'] / mib:.0f}",
+                      f"{r['persistent_gathered_bytes'] / mib:.3f}",
+                      *(f"{p['predicted'] / mib:.0f}/{p['measured'] / mib:.0f} ({p['ratio']:.2f})"
+                        + ("" if p["pass"] else " FAIL") for p in r["peaks"]),
                       f"{r['step_seconds'] * 1e3:.1f}")
     Console(width=200).print(table)
 
@@ -291,6 +331,9 @@ def parse_args(argv):
                         help="one (default fp32); --build-rss runs each given (default: bf16 fp32)")
     parser.add_argument("--micro", type=int, default=4, help="samples per rank per micro-batch")
     parser.add_argument("--steps", type=int, default=3, help="train steps before the measured one")
+    parser.add_argument("--accumulation", type=int, nargs="*", default=[], metavar="K",
+                        help="also measure each profile's peak over an optimizer step of K micro-batches "
+                             "(e.g. 1 4; memory_peak.py) against memory.peak")
     parser.add_argument("--profiles", nargs="*", default=None, help="default: every ds_profiles/*.json")
     parser.add_argument("--set", action="append", default=[], metavar="finetune.KEY=VALUE",
                         help="a fine-tuning control (finetune.* keys only; repeatable), e.g. "
@@ -330,35 +373,44 @@ COMPARED = {"gpu": "accelerator-role params + grads (before step) + optimizer vs
                        "(only when that is the offloaded-states branch)",
             "activations": "saved-for-backward bytes of one micro-batch (towers, no loss, "
                            "no parameters) vs activation_bytes_per_sample x micro",
+            "peaks": "per --accumulation K: the peak over the second optimizer step (GPU: "
+                     "max_memory_allocated vs Peak.allocated; CPU ranks: VmHWM minus the resident set "
+                     "before the model vs Peak.host; memory_peak.py), within PEAK_TOL",
             "not_compared": "buckets_*, persistent_gathered_bytes (ZeRO-3 params under "
-                            "stage3_param_persistence_threshold), peak_bytes, step_seconds"}
+                            "stage3_param_persistence_threshold), step_seconds"}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.build_rss or args.build_rss_worker:
         return memory_build.main(args)
+    if args.accumulation and not torch.cuda.is_available():
+        tune_host_allocator()   # before anything large exists (memory_peak.py)
     with process_group(args.threads) as info:
         t0 = time.perf_counter()
         rows = []
         for name in args.profiles or available_profiles():
             row = run_profile(name, args, info.on_gpu)
             reduce_over_ranks(row)
+            row["peaks"] = [run_peak(name, args, info.on_gpu, k) for k in args.accumulation]
             rows.append(row)
             rank0_print(info.rank)(f"{name}: gpu {row['gpu']['ratio']:.3f} offload {row['offload']['ratio']:.3f} "
-                                   f"activations {row['activations']['ratio']:.3f}")
+                                   f"activations {row['activations']['ratio']:.3f}" +
+                                   "".join(f" peak k={p['accumulation']} {p['ratio']:.3f}" for p in row["peaks"]))
         finetune = load_config(None, args.set).finetune
         spec = memory.preset_spec(args.preset, finetune)
         config = {"preset": args.preset, "precision": args.precision, "micro": args.micro,
                   "steps": args.steps, "parameters": spec.params, "largest_layer": spec.largest_layer,
-                  "model_tolerance": MODEL_TOL, "activation_tolerance": ACT_TOL}
+                  "model_tolerance": MODEL_TOL, "activation_tolerance": ACT_TOL, "peak_tolerance": PEAK_TOL,
+                  "accumulation": args.accumulation}
         if args.set:   # the default report stays as it was
             config.update(set=args.set, finetune=finetune.model_dump(exclude_defaults=True),
                           trainable=spec.trainable)
         report = {"config": config,
                   "environment": environment(args.threads), "compared": COMPARED,
                   "profiles": rows, "seconds": time.perf_counter() - t0}
-        report["all_pass"] = all(r["model_states_pass"] and r["activations_pass"] for r in rows)
+        report["all_pass"] = all(r["model_states_pass"] and r["activations_pass"] and all(p["pass"] for p in r["peaks"])
+                                 for r in rows)
         finish(report, args.out, info.rank, print_table, plot)
         rank0_print(info.rank)(f"wrote {args.out} in {report['seconds']:.0f}s; all within target: {report['all_pass']}")
     return 0

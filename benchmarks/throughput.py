@@ -46,13 +46,11 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from harness import (base_parser, environment, finish, max_over_ranks, process_group, rank0_print,
                      sum_over_ranks, synthetic_data)
-from rsclip_ds.engine import engine_dtype
 from rsclip_ds.trainer import Trainer
 from throughput_loops import LOOPS, Ctx, TimedBatches, loop_ours, run_config
 from throughput_report import plot, print_tables
@@ -186,10 +184,10 @@ def profiled(ctx: Ctx, name: str, steps: int) -> dict:
 # --------------------------------------------------------------------------- quality
 
 def read_val(urls: list[str], bundle) -> tuple[torch.Tensor, torch.Tensor]:
-    """The val shards in key order -> pixel_values (N,3,S,S), input_ids (N,L), through the
-    training transform with augmentation off (what evaluation uses)."""
+    """The val shards in key order -> uint8 pixel_values (N,3,S,S), input_ids (N,L), through the
+    training transform with augmentation off (what evaluation uses; the model normalises)."""
     from rsclip_ds.data.tokenizer import tokenize
-    from rsclip_ds.evaluation.embed import eval_transform
+    from rsclip_ds.evaluation.embed import eval_transform, uint8_batch
 
     samples: dict[str, dict] = {}
     for url in urls:
@@ -199,10 +197,9 @@ def read_val(urls: list[str], bundle) -> tuple[torch.Tensor, torch.Tensor]:
                 if ext in ("jpg", "txt"):
                     samples.setdefault(key, {})[ext] = tar.extractfile(member).read()
     keys = sorted(samples)
-    transform, normalize = eval_transform(bundle)
-    pixels = normalize(np.stack([transform(samples[k]["jpg"]) for k in keys]))            # (N,3,S,S)
+    pixels = uint8_batch(eval_transform(bundle), [samples[k]["jpg"] for k in keys])         # (N,3,S,S) u8
     captions = [samples[k]["txt"].decode().strip() for k in keys]
-    return torch.from_numpy(pixels), tokenize(bundle.tokenizer, captions, bundle.max_text_length)   # (N,L)
+    return pixels, tokenize(bundle.tokenizer, captions, bundle.max_text_length)             # (N,L)
 
 
 def retrieval(module, pixels: torch.Tensor, ids: torch.Tensor) -> dict:
@@ -224,8 +221,7 @@ def quality(ctx: Ctx, steps: int) -> list[dict]:
     def evaluate(engine, bundle):
         if not val:
             val["pixels"], val["ids"] = read_val(ctx.data["val_urls"], bundle)
-        return retrieval(engine.module, val["pixels"].to(engine.device, engine_dtype(engine)),
-                         val["ids"].to(engine.device))
+        return retrieval(engine.module, val["pixels"].to(engine.device), val["ids"].to(engine.device))
 
     for negatives in ("global", "local"):
         dist.barrier()

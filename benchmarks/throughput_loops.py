@@ -191,8 +191,8 @@ def hand_built(ctx: Ctx, run: RunConfig) -> tuple[ModelBundle, dict, Callable, T
     loss_fn = build_loss(run.loss.name, negatives=run.loss.negatives, rank=ctx.rank, world_size=ctx.world,
                          chunk_size=run.loss.chunk_size)
     loader = build_train_loader(
-        run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size, image_mean=bundle.image_mean,
-        image_std=bundle.image_std, max_text_length=bundle.max_text_length, micro_batch_size=ctx.micro,
+        run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
+        max_text_length=bundle.max_text_length, micro_batch_size=ctx.micro,
         rank=ctx.rank, world_size=ctx.world, seed=run.seed)
     return bundle, ds_config, loss_fn, TimedBatches(loader)
 
@@ -206,14 +206,14 @@ def loop_bare(ctx: Ctx, steps: int) -> Measured:
     forward = ForwardSamples(bundle.model)
     engine, *_ = deepspeed.initialize(model=bundle.model, model_parameters=bundle.model.parameters(),
                                       config=ds_config)
-    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
     torch.manual_seed(run.seed + 1000 * ctx.rank)
     marks, losses = [], []
     try:
         ctx.profiling(True)
         for _ in range(steps):
             batch = next(batches)
-            image, text, scale, bias = engine(batch["pixel_values"].to(engine.device, dtype),
+            # uint8 pixels: the model normalises them in its own dtype
+            image, text, scale, bias = engine(batch["pixel_values"].to(engine.device),
                                               batch["input_ids"].to(engine.device))   # (B,D) x2
             loss = loss_fn(image, text, scale, bias)
             engine.backward(loss)

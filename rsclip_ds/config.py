@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -79,7 +79,11 @@ class DataConfig(_Strict):
                              "per line; one is drawn per sample and epoch. A 'json' member is read as "
                              "{\"captions\": [...]} or {\"caption\": \"...\"}.")
     shuffle_buffer: int = Field(1000, ge=0, description="Samples held in the shuffle buffer of each worker (0: off).")
-    num_workers: int = Field(2, ge=0, description="Data-loader worker processes per rank.")
+    num_workers: Union[Literal["auto"], Annotated[int, Field(ge=0)]] = Field(
+        "auto", description="Data-loader worker processes per rank. 'auto': the cores this process may run "
+        "on (its CPU affinity) shared by the ranks of its node (LOCAL_SIZE), less one core per rank for the "
+        "rank's own process, at least 1; 'exact' caps it at the rank's shards; a resumed run keeps the "
+        "saved count (exact resume needs the same streams). 0: batches are made in the rank's process.")
     policy: Literal["exact", "resampled"] = Field(
         "exact", description="Epoch policy. 'exact': every epoch reshuffles the shard list and splits it by "
         "rank then worker; every rank gets the same number of batches, the samples of the fuller streams "
@@ -113,6 +117,13 @@ class DataConfig(_Strict):
         "the shards) a rank has read were unreadable. 1 never stops.")
     bad_data_min_samples: int = Field(
         1000, ge=0, description="Samples a rank reads before max_bad_fraction is checked.")
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _workers(cls, value):
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError(f"'auto' or a whole number >= 0 (0: no worker processes), not {value!r}")
 
 
 class BatchConfig(_Strict):

@@ -20,6 +20,13 @@ class DistInfo:
     local_rank: int
     world_size: int
     on_gpu: bool
+    local_world_size: int = 1   # ranks on this node (they share its cores and /dev/shm)
+
+
+def local_world_size_from_env() -> int:
+    """Ranks on this node as the launcher announced them: LOCAL_SIZE (deepspeed), LOCAL_WORLD_SIZE
+    (torchrun); 1 without either."""
+    return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1")
 
 
 def world_size_from_env() -> int:
@@ -73,7 +80,7 @@ def init_distributed(timeout_minutes: float | None = None) -> DistInfo:
 
     if not on_gpu:
         _unlink_shm_buffer(dist.get_rank())
-    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), on_gpu)
+    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), on_gpu, local_world_size_from_env())
 
 
 def _unlink_shm_buffer(rank: int) -> None:

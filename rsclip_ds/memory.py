@@ -1,23 +1,43 @@
-"""The memory model and the profile picker: pure functions, bytes per GPU and per node.
+"""The memory model: pure functions, bytes per GPU and per node (the planner is planner.py).
 
-Peak GPU bytes of a rank are the larger of two phases (activations are freed before the step):
+A rank's peak is its model states plus the larger of two phases (`Peak`, `peak`):
 
-    train = states + buckets + gathered layer (ZeRO-3) + micro x activations/sample + loss logits
-    step  = states + fp32 gradient partition made by step() + all-gather bucket (ZeRO-1/2)
-    peak  = states + (1 + FRAGMENTATION) x (the rest of the larger phase)
+    forward/backward  activations of one micro-batch + the loss's logits + the micro-batch itself
+                      + gradients alive beside the states + DeepSpeed's reduce buckets
+                      + ZeRO-3's gathered parameters
+    step              the gradient partition's copies and the optimizer's temporaries
+    allocated = states + max(forward/backward, step)      (torch.cuda.max_memory_allocated)
+    reserved  = allocated + FRAGMENTATION x the larger phase + RESERVE   (what must fit)
 
-Model states, Ψ parameters, G = gpus in all, n = gpus per node; bytes per parameter are
-p (weights) g (gradients) k (optimizer: fp32 master + Adam m, v): mixed precision 2 + 2 + 12,
-fp32 4 + 4 + 12 (DeepSpeed keeps an fp32 master partition in fp32 too). Per GPU
+Model states, Ψ parameters (Ψ_t of them trainable), G = gpus in all, n = gpus per node; bytes per
+parameter are p (weights) g (gradients) k (optimizer: fp32 master + Adam m, v): mixed precision
+2 + 2 + 12, fp32 4 + 4 + 12 (DeepSpeed keeps an fp32 master partition in fp32 too). Per GPU
 (DeepSpeed's `estimate_zero{2,3}_model_states_mem_needs`, corrected by what benchmarks/memory.py
 measures in 0.19.8):
-    ZeRO-1 = ZeRO-2  pΨ + (g+k)Ψ/G (0.19.8's ZeRO-1 keeps only its gradient partition as well)
-    ZeRO-3  (p+g+k)Ψ/G
+    ZeRO-1 = ZeRO-2  pΨ + (g+k)Ψ_t/G (the gradient partition, alive from backward to the step)
+    ZeRO-3  pΨ/G + (g+k)Ψ_t/G
     ZeRO-2 + optimizer offload  pΨ        ZeRO-3 + optimizer offload  pΨ/G     + param offload  0
-With offload the CPU of a node holds (k + 4)Ψ n/G (the step's fp32 gradient lives there too),
-at ZeRO-3 + gΨ n/G (a flat gradient partition), plus pΨ n/G with parameter offload. ZeRO-2's step peak, 2Ψ + 18Ψ/G, is exactly DeepSpeed's
-`estimate_zero2_model_states_mem_needs`; ZeRO-3's is 20Ψ/G + 4L against DeepSpeed's 18Ψ/G + 4L
-(its estimator leaves out the 16-bit parameter partition; we keep it: it is on the GPU).
+With offload the CPU of a node holds (k + 4)Ψ_t n/G (the step's fp32 gradient lives there too),
+at ZeRO-3 + gΨ_t n/G (a flat gradient partition), plus pΨ n/G with parameter offload.
+
+The transient terms, read from DeepSpeed 0.19.8 and measured on 2 CPU ranks with
+git-rsclip-base (benchmarks/memory.py --peak; docs/benchmarks.md explains each term):
+  buckets    ZeRO-1/2: `torch.empty(reduce_bucket_size)` in the gradient dtype, two with
+             overlap_comm, allocated whole on a GPU at every step's first backward, plus the
+             gradients waiting to be copied into it (one bucket's worth). ZeRO-3: one reduce
+             bucket, allocated at start-up and kept (in both phases).
+  gradients  ZeRO-1 with accumulation > 1 reduces only at the boundary: every micro-step holds
+             the full gradients gΨ_t (instead of the partition).
+  gathered   ZeRO-3 (from the second step, once it has traced the module order) with prefetching
+             on (`stage3_prefetch_bucket_size` > 0) keeps every parameter it prefetched for a later
+             use gathered until that use: all of them, pΨ, from forward to backward, whatever
+             `stage3_max_reuse_distance` says (measured: 0 and 1e9 give the same peak). Without
+             prefetching a module's parameters are released after its forward unless used again
+             within the reuse distance (forward, then backward in reverse): about half of it
+             stays gathered at the turn, plus the layer at work.
+  step       ZeRO-1/2: a flat copy of the gradient partition, its fp32 cast (16-bit runs) and
+             the optimizer's temporaries (torch's AdamW: one partition-sized fp32 tensor per
+             step on a GPU (foreach), two on CPU (per tensor)); ZeRO-3: the same per sub-group.
 """
 
 from __future__ import annotations
@@ -33,21 +53,16 @@ GiB = 2**30
 # Allocator fragmentation, on the bytes that churn (activations, buckets, gathered layers,
 # transient gradients). The flat ZeRO buffers are allocated once at start-up and do not fragment.
 FRAGMENTATION = 0.10
+# Per GPU, outside PyTorch's allocated bytes: the CUDA context and kernels (~0.5 GiB with torch
+# 2.x on H100/H200-class GPUs), NCCL's communicators and buffers (~0.3-0.5 GiB), cuBLAS workspaces.
+RESERVE = GiB
+# torch's AdamW temporaries of the size of one (flat) partition: foreach on a GPU, per tensor on CPU
+ADAM_TEMPORARIES = {"cuda": 1, "cpu": 2}
 # p, g, k per parameter. DeepSpeed 0.19.8 keeps an fp32 master partition even in fp32
 # (`single_partition_of_fp32_groups`, `fp32_partitioned_groups_flat`), so k = 4 + 8 always
 # (measured by benchmarks/memory.py).
 BYTES = {"fp32": (4, 4, 12), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """Assumed throughput for the relative speed score (ratios matter, not absolutes)."""
-    flops: float = 100e12        # achieved FLOP/s per GPU (bf16; fp32 at a quarter)
-    intra_bw: float = 100e9      # bytes/s per rank on collectives inside a node
-    inter_bw: float = 12.5e9     # bytes/s per rank across nodes (100 Gb/s)
-    pcie_bw: float = 12e9        # bytes/s GPU <-> pinned CPU memory per rank
-    cpu_adam: float = 1e9        # parameters/s one node's CPU Adam updates
 
 
 @dataclass(frozen=True)
@@ -260,176 +275,148 @@ def logits_bytes(loss: str, rows: int, cols: int) -> int:
 
 @dataclass(frozen=True)
 class StateBytes:
-    gpu: int            # persistent per GPU
-    step_extra: int     # transient in step(): fp32 gradient partition (+ all-gather bucket)
-    train_extra: int    # transient in forward/backward: buckets, gathered layers
+    gpu: int            # per GPU, held through the step (ZeRO-1/2: with the gradient partition)
     cpu_node: int       # per node: offloaded states, or the fp32 model every rank builds first
 
 
-def model_state_bytes(params: int, largest_layer: int, stage: int, offload_optimizer: bool,
-                      offload_param: bool, precision: str, gpus: int, gpus_per_node: int,
-                      zero: dict | None = None, trainable: int | None = None) -> StateBytes:
-    """Model states of one rank (formulas in the module docstring); `zero` is the profile's
-    zero_optimization block, for its bucket sizes (elements; DeepSpeed's defaults otherwise).
-    ``trainable``: elements with gradients and optimizer states (locked towers and LoRA's frozen
-    weights have neither); the weights' p bytes count for all ``params``."""
+def model_state_bytes(params: int, stage: int, offload_optimizer: bool, offload_param: bool, precision: str,
+                      gpus: int, gpus_per_node: int, trainable: int | None = None) -> StateBytes:
+    """Model states of one rank (formulas in the module docstring). ``trainable``: elements with
+    gradients and optimizer states (locked towers and LoRA's frozen weights have neither); the
+    weights' p bytes count for all ``params``."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage {stage} is not modelled (1, 2 or 3)")
-    zero = zero or {}
     p, g, k = BYTES[precision]
     psi, G, n = params, gpus, gpus_per_node
     t = psi if trainable is None else trainable            # Ψ_t: what has gradients and states
     part, tpart = math.ceil(psi / G), math.ceil(t / G)
-    fp32_grad = 0 if precision == "fp32" else 4          # step() casts the gradient partition
-    buffers = 2 if zero.get("overlap_comm", False) else 1  # double-buffered reduce buckets
-    reduce = min(int(zero.get("reduce_bucket_size", 5e8)), t) * g * buffers
     cpu = 4 * psi * n                                     # every rank builds the fp32 model on CPU
     if stage < 3:
-        # ZeRO-1 in DeepSpeed 0.19.8 shares ZeRO-2's optimizer and also keeps only its gradient
-        # partition (`averaged_gradients`); the textbook (p + g)Ψ + kΨ/G over-counts it.
+        # ZeRO-1 in DeepSpeed 0.19.8 shares ZeRO-2's optimizer and, at the boundary, also keeps
+        # only its gradient partition (`averaged_gradients`).
         gpu = p * psi + (g + k) * tpart
-        step = fp32_grad * tpart + min(int(zero.get("allgather_bucket_size", 5e8)), t) * p
         if offload_optimizer:
-            gpu, step = p * psi, 0
-            cpu = max(cpu, (k + 4) * tpart * n)
-        return StateBytes(gpu, step, reduce, cpu)
-    layer = 2 * p * largest_layer                         # gathered 16-bit layer + its gradient
-    prefetch = min(int(zero.get("stage3_prefetch_bucket_size", 5e7)), psi) * p
-    sub_group = min(tpart, int(zero.get("sub_group_size", 1e9)))
-    gpu, step = p * part + (g + k) * tpart, fp32_grad * sub_group
+            gpu, cpu = p * psi, max(cpu, (k + 4) * tpart * n)
+        return StateBytes(gpu, cpu)
+    gpu = p * part + (g + k) * tpart
     if offload_optimizer:
-        gpu, step = p * part, 0
+        gpu = p * part
         # + the flat gradient partition (`grad_partitions_flat_buffer`) next to the fp32 one
         cpu = max(cpu, (k + 4 + g) * tpart * n + (p * part * n if offload_param else 0))
     if offload_param:
         gpu = 0
-    return StateBytes(gpu, step, reduce + prefetch + layer, cpu)
+    return StateBytes(gpu, cpu)
 
 
-# --------------------------------------------------------------------------- the planner
+# --------------------------------------------------------------------------- the peak
 
 @dataclass(frozen=True)
-class Budget:
-    gpus_per_node: int
-    nodes: int
-    gpu_bytes: int
-    cpu_bytes: int | None = None   # per node; None: not checked
+class Peak:
+    """One rank's peak by term (module docstring), bytes. On CPU ranks (``device="cpu"``) the
+    offloaded states and the CPU optimizer's temporaries share the memory: ``host``."""
+    states: int         # held throughout (StateBytes.gpu)
+    activations: int    # saved for backward by one micro-batch (or the loss alone, if larger)
+    loss: int           # the loss's saved logits, beside the activations ('plain' accumulation)
+    inputs: int         # the micro-batch on the device
+    gradients: int      # beside the states in forward/backward
+    buckets: int        # reduce buckets (+ ZeRO-3's prefetch)
+    gathered: int       # ZeRO-3: gathered parameters alive at the turn of forward to backward
+    step: int           # transient in step() on the accelerator
+    host_states: int    # offloaded states of this rank (StateBytes.cpu_node / gpus per node)
+    host_step: int      # the CPU optimizer's temporaries (offload)
+    reserve: int        # CUDA context, NCCL (0 on CPU ranks)
 
     @property
-    def gpus(self) -> int:
-        return self.gpus_per_node * self.nodes
+    def train(self) -> int:
+        return self.activations + self.loss + self.inputs + self.gradients + self.buckets + self.gathered
 
+    @property
+    def phase(self) -> str:
+        return "step" if self.step > self.train else "forward/backward"
 
-@dataclass(frozen=True)
-class Row:
-    profile: str
-    checkpointing: bool
-    fits: bool
-    max_micro: int        # largest micro-batch that fits (0: not even 1)
-    micro: int            # micro-batch used: global = micro x accumulation x gpus
-    accumulation: int
-    gpu_gib: float        # predicted peak per GPU at `micro` (at 1 when nothing fits)
-    cpu_gib_node: float
-    step_s: float         # modelled seconds per optimizer step (Hardware)
-    relative_speed: float = 0.0   # step time of the fastest fitting row / this one's; 0 if it does not fit
+    @property
+    def allocated(self) -> int:
+        """What torch.cuda.max_memory_allocated would report."""
+        return self.states + max(self.train, self.step)
+
+    @property
+    def reserved(self) -> int:
+        """What must fit in the GPU: allocated + the allocator's headroom + the reserve."""
+        return int(self.allocated + FRAGMENTATION * max(self.train, self.step)) + self.reserve
+
+    @property
+    def host(self) -> int:
+        """On CPU ranks, where the offloaded states live in the same memory: the whole peak."""
+        return self.allocated + self.host_states + self.host_step
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "train": self.train, "phase": self.phase, "allocated": self.allocated,
+                "reserved": self.reserved, "host": self.host}
 
 
-def peak_gpu_bytes(spec: ModelSpec, states: StateBytes, precision: str, checkpointing: bool, micro: int,
-                   per_rank: int, gpus: int, loss: str = "siglip", negatives: str = "global",
-                   accumulation: str = "global", zero3: bool = False) -> int:
-    """Peak bytes of one GPU at this micro-batch (`per_rank` = global batch / gpus).
-    'plain' accumulation: logits (micro, micro x gpus) next to the towers' activations.
-    'global': the loss runs alone on (per_rank, global) logits; the towers re-run per micro."""
+def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int, *, micro: int,
+         accumulation_steps: int = 1, checkpointing: bool = False, loss: str = "siglip",
+         negatives: str = "global", accumulation: str = "global", device: str = "cuda",
+         input_bytes: int | None = None) -> Peak:
+    """The peak of one rank (module docstring) for a ``profile`` (profiles.Profile: its stage,
+    offload and zero_optimization block; DeepSpeed's defaults where it is silent) at ``micro``
+    samples per micro-batch and ``accumulation_steps`` micro-batches per step. ``device="cpu"``:
+    CPU ranks, where a buffer's untouched pages cost nothing and torch's AdamW makes two
+    temporaries. ``input_bytes``: bytes per sample of the batch on the device (default: uint8
+    pixels and int64 token ids, what the loader sends)."""
+    stage, zero = profile.stage, profile.strategy.get("zero_optimization", {})
+    p, g, _ = BYTES[precision]
+    psi, t, G = spec.params, spec.trainable, gpus
+    part, tpart = math.ceil(psi / G), math.ceil(t / G)
+    states = model_state_bytes(psi, stage, profile.offload_optimizer, profile.offload_param, precision, G,
+                               gpus_per_node, trainable=t)
+    # forward/backward: activations, the loss, the batch
     act = sum(activation_bytes_per_sample(_config(spec), precision, checkpointing, spec.finetune_json,
-                                          zero3 and spec.trainable < spec.params).values()) * micro
-    cols = gpus if negatives == "global" else 1
-    if accumulation == "global":
-        train = max(act, logits_bytes(loss, per_rank, per_rank * cols))
+                                          stage == 3 and spec.trainable < spec.params).values()) * micro
+    per_rank = micro * accumulation_steps
+    cols = G if negatives == "global" else 1
+    if accumulation == "global" and accumulation_steps > 1:   # the loss runs alone over the cached features
+        act, logits = max(act, logits_bytes(loss, per_rank, per_rank * cols)), 0
     else:
-        train = act + logits_bytes(loss, micro, micro * cols)
-    dynamic = max(states.train_extra + train, states.step_extra)
-    return int(states.gpu + (1 + FRAGMENTATION) * dynamic)
+        logits = logits_bytes(loss, micro, micro * cols)
+    if input_bytes is None:
+        config = _config(spec)
+        input_bytes = 3 * config.vision_config.image_size ** 2 + 8 * config.text_config.max_position_embeddings
+    inputs = input_bytes * micro
+    # DeepSpeed's buffers
+    bucket = int(zero.get("reduce_bucket_size", 5e8))
+    buffers = 2 if zero.get("overlap_comm", stage == 3) else 1
+    # a GPU allocates the bucket whole; on CPU only the pages written cost (the gradients fill it)
+    touched = buffers * bucket if device == "cuda" else min(buffers * bucket, t)
+    awaiting = min(bucket, t) * g                        # gradients not yet copied into a bucket
+    temporaries = ADAM_TEMPORARIES[device] * 4           # fp32 bytes per element
+    cast = 0 if g == 4 else 4                            # 16-bit gradients cast to fp32 for the step
+    gathered, host_step = 0, 0
+    if stage < 3:
+        gradients = g * (t - tpart) if stage == 1 and accumulation_steps > 1 else awaiting
+        buckets = touched * g
+        step = g * tpart + cast * tpart + temporaries * tpart    # flat copy, fp32 cast, AdamW
+        if profile.offload_optimizer:
+            step, host_step = 0, (temporaries * tpart if device == "cpu" else 0)
+    else:
+        reuse = int(zero.get("stage3_max_reuse_distance", 1e9))
+        if int(zero.get("stage3_prefetch_bucket_size", 5e7)) > 0:
+            gathered = p * psi   # prefetch marks every parameter used again in backward: none is released
+        else:
+            gathered = p * min(psi, reuse // 2 + spec.largest_layer)
+        gradients, buckets = awaiting, min(bucket, t) * g if device == "cpu" else bucket * g
+        sub = min(tpart, int(zero.get("sub_group_size", 1e9)))
+        # the sub-group's fp32 gradient and AdamW's temporaries; ZeRO-3's one reduce bucket is
+        # allocated at start-up and stays (stage3.py), so the step has it too
+        step = 4 * sub + temporaries * sub + buckets
+        if profile.offload_optimizer:
+            step, host_step = 0, (temporaries * sub if device == "cpu" else 0)
+    host_states = states.cpu_node // gpus_per_node if (profile.offload_optimizer or profile.offload_param) else 0
+    return Peak(states.gpu, act, logits, inputs, gradients, buckets, gathered, step, host_states, host_step,
+                RESERVE if device == "cuda" else 0)
 
 
 def _config(spec: ModelSpec):
     from transformers import SiglipConfig
 
     return SiglipConfig.from_dict(json.loads(spec.config_json))
-
-
-def accumulation_for(per_rank: int, max_micro: int) -> tuple[int, int]:
-    """The smallest accumulation a with per_rank % a == 0 and per_rank / a <= max_micro:
-    (micro, a). Whole micro-batches only, so the micro used can be below the largest that fits."""
-    for a in range(math.ceil(per_rank / max_micro), per_rank + 1):
-        if per_rank % a == 0:
-            return per_rank // a, a
-    raise AssertionError("unreachable: a = per_rank always divides")
-
-
-def step_seconds(spec: ModelSpec, stage: int, offload_optimizer: bool, offload_param: bool, precision: str,
-                 checkpointing: bool, per_rank: int, accum: int, budget: Budget, accumulation: str = "global",
-                 hw: Hardware = Hardware()) -> float:
-    """Seconds per optimizer step, compute + communication + offload, not overlapped:
-      compute  6 x (Ψ_vision x patches + Ψ_text x tokens) FLOPs per sample, x 8/6 with
-               checkpointing (one more forward), x 8/6 more for 'global' accumulation's cached pass;
-      network  per rank, ring collectives move (G-1)/G of the bytes: ZeRO-1 gΨ + pΨ per step;
-               ZeRO-2 gΨ per micro-batch + pΨ per step; ZeRO-3 (2pΨ + gΨ) per micro-batch;
-      PCIe     optimizer offload: g Ψ/G per micro-batch out, p Ψ/G per step in; parameter
-               offload 2p Ψ/G more per micro-batch; CPU Adam on the node's n Ψ/G parameters."""
-    p, g, _ = BYTES[precision]
-    psi, G, t = spec.params, budget.gpus, spec.trainable
-    # forward 2, backward 4 FLOPs per parameter and token; a locked tower runs forward only
-    per_tower = [(spec.vision_params * spec.vision_tokens, spec.tower_trains("vision")),
-                 (spec.text_params * spec.text_tokens, spec.tower_trains("text"))]
-    flops = sum(work * (2 + 4 * trains) for work, trains in per_tower) * per_rank
-    flops *= (1 + 2 / 6 * checkpointing + 2 / 6 * (accumulation == "global" and accum > 1))
-    compute = flops / (hw.flops / (4 if precision == "fp32" else 1))
-    ring = (G - 1) / G
-    net = {1: g * t + p * t, 2: g * t * accum + p * t, 3: 2 * p * psi * accum + g * t * accum}[stage] * ring
-    bw = hw.intra_bw if budget.nodes == 1 else hw.inter_bw
-    part, tpart = psi / G, t / G
-    pcie = (g * tpart * accum + p * tpart) * offload_optimizer + 2 * p * part * accum * offload_param
-    cpu = tpart * budget.gpus_per_node / hw.cpu_adam if offload_optimizer else 0.0
-    return compute + net / bw + pcie / hw.pcie_bw + cpu
-
-
-def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "bf16",
-         profiles: list[str] | None = None, loss: str = "siglip", negatives: str = "global",
-         accumulation: str = "global", hw: Hardware = Hardware()) -> list[Row]:
-    """One row per (profile, activation checkpointing), fastest first."""
-    from rsclip_ds.profiles import available_profiles, load_profile
-
-    if global_batch % budget.gpus:
-        raise ValueError(f"global batch {global_batch} is not a multiple of {budget.gpus} GPUs")
-    per_rank = global_batch // budget.gpus
-    rows = []
-    for prof in map(load_profile, profiles or available_profiles()):
-        states = model_state_bytes(spec.params, spec.largest_layer, prof.stage, prof.offload_optimizer,
-                                   prof.offload_param, precision, budget.gpus, budget.gpus_per_node,
-                                   prof.strategy.get("zero_optimization"), trainable=spec.trainable)
-        for ac in (False, True):
-            def peak(m):
-                return peak_gpu_bytes(spec, states, precision, ac, m, per_rank, budget.gpus, loss,
-                                      negatives, accumulation, zero3=prof.stage == 3)
-            lo, hi = 0, per_rank                      # largest m with peak(m) <= budget (monotonic)
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if peak(mid) <= budget.gpu_bytes else (lo, mid - 1)
-            cpu_ok = budget.cpu_bytes is None or states.cpu_node <= budget.cpu_bytes
-            micro, accum = accumulation_for(per_rank, lo) if lo else (0, 0)
-            secs = step_seconds(spec, prof.stage, prof.offload_optimizer, prof.offload_param, precision, ac,
-                                per_rank, max(accum, 1), budget, accumulation, hw)
-            rows.append(Row(prof.name, ac, bool(lo) and cpu_ok, lo, micro, accum,
-                            round(peak(max(micro, 1)) / GiB, 2), round(states.cpu_node / GiB, 2), secs))
-    best = min((r.step_s for r in rows if r.fits), default=0.0)
-    rows = [Row(**{**r.to_dict(), "relative_speed": round(best / r.step_s, 3) if r.fits and r.step_s else 0.0}) for r in rows]
-    return sorted(rows, key=lambda r: (not r.fits, r.step_s))
-
-
-def recommend(rows: list[Row]) -> Row | None:
-    """The fastest row that fits; ties go to the smaller GPU footprint. None if nothing fits."""
-    fitting = [r for r in rows if r.fits]
-    return min(fitting, key=lambda r: (r.step_s, r.gpu_gib)) if fitting else None

@@ -51,8 +51,36 @@ IMAGE_STD = (0.5, 0.5, 0.5)
 LOGIT_INIT = {"siglip": (math.log(10.0), -10.0), "clip": (math.log(1 / 0.07), 0.0)}
 
 
+def normalize_pixels(pixels: torch.Tensor, mean, std, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 RGB (B, 3, S, S), any strides -> contiguous ``dtype`` (B, 3, S, S), ``(x / 255 - mean) / std``.
+
+    Computed as ``x * (1 / (255 std)) + (-mean / std)`` in float32 -- two roundings, the constants
+    rounded to float32 first -- then cast: bit for bit the numbers of the numpy reference
+    (``data.transforms.Normalize``, which the loader ran on the CPU before) in every precision
+    (tests/unit/test_pixels.py checks all 256 values per channel). The float32 intermediate costs
+    4 bytes per pixel on the device for the moment of the cast (96 MiB for 128 x 256 px).
+    The per-channel constants go in as Python scalars: a (3,) tensor built on a GPU would be a
+    host-to-device copy, which waits for the stream, in every forward."""
+    std_t, mean_t = torch.tensor(std, dtype=torch.float32), torch.tensor(mean, dtype=torch.float32)
+    scales, shifts = (1.0 / (255.0 * std_t)).tolist(), (-mean_t / std_t).tolist()   # float32 values
+    # uint8 made contiguous first: casting the channels-last view straight to a contiguous
+    # float32 took 2.4x as long on this CPU (600 ms against 250 ms for 128 x 256 px)
+    out = pixels.contiguous().to(torch.float32)                              # (B, 3, S, S) f32
+    for c, (scale, shift) in enumerate(zip(scales, shifts)):
+        out[:, c].mul_(scale).add_(shift)
+    return out.to(dtype)
+
+
 class DualEncoder(nn.Module):
-    """Image tower + text tower -> L2-normalised embeddings, logit scale (log) and bias."""
+    """Image tower + text tower -> L2-normalised embeddings, logit scale (log) and bias.
+
+    ``pixel_values`` may be uint8 RGB (what the loader and evaluation send: a quarter of the
+    bytes of float32 through shared memory and to the device); the model normalises them with
+    ``image_mean`` / ``image_std`` in its vision tower's dtype (normalize_pixels). Float pixels
+    are taken as already normalised and pass unchanged (benchmarks, transformers' image
+    processor). ``image_mean`` / ``image_std`` are plain attributes, not buffers: the state
+    dict stays a SiglipModel state dict and DeepSpeed sees no extra tensors. The ModelBundle
+    sets them (ModelBundle.__post_init__); SigLIP's 0.5 / 0.5 until then."""
 
     base_model_prefix = "siglip"   # as SiglipModel's: peft's LoRA injection reads it from models with a config
 
@@ -63,9 +91,18 @@ class DualEncoder(nn.Module):
         self.text_model = siglip.text_model       # SiglipTextModel
         self.logit_scale = siglip.logit_scale     # (1,) log temperature
         self.logit_bias = siglip.logit_bias       # (1,)
+        self.image_mean: tuple[float, ...] = IMAGE_MEAN
+        self.image_std: tuple[float, ...] = IMAGE_STD
+
+    def vision_dtype(self) -> torch.dtype:
+        """The patch embedding's dtype, which transformers casts pixels to (under ZeRO-3 the
+        partitioned parameter keeps its dtype: nothing is gathered to read it)."""
+        return self.vision_model.embeddings.patch_embedding.weight.dtype
 
     def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor):
         # Both towers run inside this forward, so ZeRO-3 gathers their parameters here.
+        if pixel_values.dtype == torch.uint8:   # (B, 3, S, S) 0..255 -> normalised, on the device
+            pixel_values = normalize_pixels(pixel_values, self.image_mean, self.image_std, self.vision_dtype())
         image = self.vision_model(pixel_values=pixel_values).pooler_output   # (B, D)
         text = self.text_model(input_ids=input_ids).pooler_output             # (B, D)
         return F.normalize(image, dim=-1), F.normalize(text, dim=-1), self.logit_scale, self.logit_bias
@@ -81,6 +118,11 @@ class ModelBundle:
     image_std: tuple[float, float, float]
     max_text_length: int
     source: ModelSource | None = None   # where the weights came from (preset, folder, hub id)
+
+    def __post_init__(self):
+        # the model normalises uint8 pixels itself: with the bundle's numbers, wherever the bundle was made
+        if self.model is not None:
+            self.model.image_mean, self.model.image_std = tuple(self.image_mean), tuple(self.image_std)
 
     def num_parameters(self) -> int:
         return sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())   # ZeRO-3: whole size

@@ -6,9 +6,9 @@
 The order of assembly is stated once, in `Trainer.build`: profile and DeepSpeed config (checked
 before any process group) -> model (+ activation checkpointing) -> evaluation hook (reads its
 data sets before training) -> engine -> checkpointer (+ resume) -> loader (at the resumed
-position) -> loss -> fault guard. The CLI, the evaluation worker, the benchmarks and the tests
-all build runs here; a benchmark swaps a part through the seams (`model=`, `wrap_loader=`,
-`hooks=`), never by patching the package.
+position; then the /dev/shm check) -> loss -> fault guard. The CLI, the evaluation worker, the
+benchmarks and the tests all build runs here; a benchmark swaps a part through the seams
+(`model=`, `wrap_loader=`, `hooks=`), never by patching the package.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from rsclip_ds.checkpoint import Checkpointer, checkpoint_root, write_hf_extras
 from rsclip_ds.config import ConfigError, RunConfig
-from rsclip_ds.data import build_train_loader, expand_urls
+from rsclip_ds.data import build_train_loader, check_shared_memory, expand_urls
 from rsclip_ds.distributed import (DistInfo, Heartbeat, StopFlag, accelerator_is_gpu, configure_logging,
                                    destroy_distributed, init_distributed, process_group_exists,
                                    world_size_from_env)
@@ -142,10 +142,11 @@ class Trainer:
             set_fp32_masters(engine, Path(bundle.source.folder))   # not rounded to the 16-bit dtype
         loader = self.loader if self.loader is not None else build_train_loader(
             run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
-            image_mean=bundle.image_mean, image_std=bundle.image_std,
             max_text_length=bundle.max_text_length, micro_batch_size=batch.micro,
-            rank=info.rank, world_size=info.world_size, seed=run.seed,
+            rank=info.rank, world_size=info.world_size, seed=run.seed, local_world_size=info.local_world_size,
             state=resume["data"] if resume else None)
+        if self.loader is None:   # its workers hand batches over /dev/shm: fail now, not with SIGBUS later
+            check_shared_memory(loader, held=batch.accumulation, local_ranks=info.local_world_size)
         if self.wrap_loader is not None:
             loader = self.wrap_loader(loader)
         loss_fn = build_loss(run.loss.name, negatives=run.loss.negatives, rank=info.rank,

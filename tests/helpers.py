@@ -53,3 +53,22 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0, po
             raise AssertionError(f"timed out after {timeout} s waiting for {what}"
                                  + (f"\n{detail()}" if detail else ""))
         time.sleep(poll)
+
+
+class LocalEngine:
+    """What the train steps use of a DeepSpeed engine, in one process without DeepSpeed:
+    forward, backward (gradients accumulate in .grad), step (a no-op: tests read .grad)."""
+
+    def __init__(self, module):
+        import torch
+
+        self.module, self.device = module, torch.device("cpu")
+
+    def __call__(self, *inputs):
+        return self.module(*inputs)
+
+    def backward(self, loss, scale_wrt_gas: bool = True):
+        loss.backward()
+
+    def step(self):
+        pass

@@ -146,8 +146,7 @@ def run(args) -> int:
             device = torch.device(get_accelerator().device_name(info.local_rank))
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
         model = bundle.model.to(device, dtype).eval()
-        results = evaluate(Embedder(model, bundle, cfg.batch_size, info.rank, info.world_size, dtype,
-                                    device), sets)
+        results = evaluate(Embedder(model, bundle, cfg.batch_size, info.rank, info.world_size, device), sets)
         if info.rank == 0:
             source = str(bundle.source) if args.model else str(args.checkpoint)
             out = args.out or default_out

@@ -3,14 +3,17 @@
     rsclip-ds plan --model git-rsclip-large --gpus 4 --gpu-mem 24GiB --global-batch 4096
     rsclip-ds plan --params 5e9 --gpus 4 --gpu-mem 24GiB --global-batch 1024 --json
 
-The numbers come from `rsclip_ds.memory` (formulas and assumptions in its docstrings).
+The numbers come from `rsclip_ds.memory` (the peak's terms) and `rsclip_ds.planner` (fit and
+speed); formulas and assumptions are in their docstrings.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
+import sys
 from pathlib import Path
 
 from rsclip_ds.config import ConfigError
@@ -83,25 +86,42 @@ def _print_table(rows, best, args, spec) -> None:
 
     table = Table(title=f"{spec.name} ({spec.params / 1e6:.0f}M params, {spec.trainable / 1e6:.1f}M trainable) on {args.nodes} x {args.gpus} GPUs "
                         f"of {args.gpu_mem}, global batch {args.global_batch}, {args.precision}")
-    for col in ("profile", "act. ckpt", "fits", "GiB/GPU", "CPU GiB/node", "max micro", "micro x accum",
-                "rel. speed"):
-        table.add_column(col, justify="left" if col == "profile" else "right", no_wrap=col == "profile")
+    for col in ("profile", "act. ckpt", "fits", "GiB/GPU", "allocated", "peak in", "CPU GiB/node", "max micro",
+                "micro x accum", "rel. speed"):
+        table.add_column(col, justify="left" if col in ("profile", "peak in") else "right", no_wrap=col == "profile")
     for r in rows:
         mark = " *" if r is best else ""
         table.add_row(r.profile + mark, "on" if r.checkpointing else "off", "yes" if r.fits else "no",
-                      f"{r.gpu_gib:.1f}", f"{r.cpu_gib_node:.1f}", str(r.max_micro),
+                      f"{r.gpu_gib:.1f}", f"{r.allocated_gib:.1f}", r.phase, f"{r.cpu_gib_node:.1f}", str(r.max_micro),
                       f"{r.micro} x {r.accumulation}" if r.fits else "-",
                       f"{r.relative_speed:.2f}" if r.fits else "-")
     console = Console()
-    if console.width < 110:   # pipes and CI logs default to 80 columns: keep the table readable
-        console = Console(width=110)
+    if console.width < 130:   # pipes and CI logs default to 80 columns: keep the table readable
+        console = Console(width=130)
     console.print(table)
+    console.print("GiB/GPU: the predicted peak that must fit (allocated + allocator headroom + 1 GiB for the "
+                  "CUDA context and NCCL); allocated: what torch.cuda.max_memory_allocated would show.")
     console.print("* recommended: the fastest that fits." if best else
                   "Nothing fits: add GPUs or nodes, or use a smaller model.")
 
 
 def run(args) -> int:
-    from rsclip_ds.memory import Budget, preset_spec, plan, recommend, scaled_spec
+    if not args.json:
+        return _run(args)
+    # `plan --json | jq`: stdout carries the JSON only. DeepSpeed's logger writes to stdout
+    # (its accelerator warning on a machine without a GPU comes at import): everything but the
+    # JSON goes to stderr while the plan is made; the JSON is printed after.
+    out = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        doc = _run(args)
+    print(json.dumps(doc, indent=2), file=out)
+    return 0
+
+
+def _run(args):
+    """Makes the plan; prints the table (returns 0), or returns the JSON document (--json)."""
+    from rsclip_ds.memory import preset_spec, scaled_spec
+    from rsclip_ds.planner import Budget, plan, recommend
 
     finetune = _finetune(args)
     if args.params and args.set:
@@ -116,12 +136,13 @@ def run(args) -> int:
         raise ConfigError(str(err)) from None
     best = recommend(rows)
     command = launch_command(best, args, args.gpus, args.nodes) if best and not args.params else None
+    doc = None
     if args.json:
-        print(json.dumps({"model": spec.name, "params": spec.params, "trainable": spec.trainable,
-                          "finetune": finetune.model_dump(), "gpus": budget.gpus,
-                          "gpu_bytes": budget.gpu_bytes, "global_batch": args.global_batch,
-                          "rows": [r.to_dict() for r in rows],
-                          "recommended": best.to_dict() if best else None, "command": command}, indent=2))
+        doc = {"model": spec.name, "params": spec.params, "trainable": spec.trainable,
+               "finetune": finetune.model_dump(), "gpus": budget.gpus,
+               "gpu_bytes": budget.gpu_bytes, "global_batch": args.global_batch,
+               "rows": [r.to_dict() for r in rows],
+               "recommended": best.to_dict() if best else None, "command": command}
     else:
         _print_table(rows, best, args, spec)
         if command:
@@ -132,7 +153,7 @@ def run(args) -> int:
         write_config(best, args, budget.gpus, args.write_config)
         if not args.json:
             print(f"DeepSpeed config written to {args.write_config}")
-    return 0
+    return doc if args.json else 0
 
 
 def write_config(row, args, world_size: int, path: Path) -> dict:

@@ -3,7 +3,7 @@
     sources.py       shard specs (braces, globs, lists, pipe:/http urls) -> urls; sample counts
     schedule.py      which shards each (rank, worker) stream reads per epoch, batches per epoch
     tar.py           tar members -> samples; broken tars counted, never raised
-    transforms.py    the one image transform (training and evaluation), normalisation, sample decoding
+    transforms.py    the one image transform (training and evaluation), sample decoding; Normalize (reference)
     bad.py           bad-data kinds, per-stream counts, the stop threshold (DataError)
     loader.py        the streams, the DataLoader, resumable position: build_train_loader
     tokenizer.py     training a caption tokenizer; tokenize()
@@ -14,12 +14,14 @@ Full guide: docs/data.md.
 """
 
 from rsclip_ds.data.bad import BAD_KINDS, DataError, StreamCounter
-from rsclip_ds.data.loader import TrainLoader, build_train_loader
+from rsclip_ds.data.loader import (TrainLoader, auto_num_workers, build_train_loader, check_shared_memory,
+                                   shared_memory_need)
 from rsclip_ds.data.schedule import EpochSchedule, build_epoch_schedule
-from rsclip_ds.data.sources import expand_sources, expand_urls, shard_counts
+from rsclip_ds.data.sources import expand_sources, expand_urls, shard_counts, shard_counts_from_rank0
 from rsclip_ds.data.tar import read_shard
 from rsclip_ds.data.transforms import ImageTransform, Normalize, SampleDecoder
 
 __all__ = ["BAD_KINDS", "DataError", "EpochSchedule", "ImageTransform", "Normalize", "SampleDecoder",
-           "StreamCounter", "TrainLoader", "build_epoch_schedule", "build_train_loader", "expand_sources",
-           "expand_urls", "read_shard", "shard_counts"]
+           "StreamCounter", "TrainLoader", "auto_num_workers", "build_epoch_schedule", "build_train_loader",
+           "check_shared_memory", "expand_sources", "expand_urls", "read_shard", "shard_counts",
+           "shard_counts_from_rank0", "shared_memory_need"]

@@ -129,8 +129,16 @@ class EpochSchedule:
 
 
 
-def build_epoch_schedule(cfg: DataConfig, *, micro_batch_size: int, world_size: int, seed: int) -> EpochSchedule:
-    """Shard list, weights and counts -> the schedule every rank shares (validates the combination)."""
+def build_epoch_schedule(cfg: DataConfig, *, micro_batch_size: int, world_size: int, seed: int,
+                         num_workers: int | None = None, read_counts=shard_counts) -> EpochSchedule:
+    """Shard list, weights and counts -> the schedule every rank shares (validates the combination).
+    ``num_workers``: workers per rank, resolved (build_train_loader sizes data.num_workers=auto);
+    default cfg.num_workers, which must then be a number. ``read_counts(urls, shard_index)``:
+    shard_counts, or shard_counts_from_rank0 in a multi-rank run."""
+    workers = cfg.num_workers if num_workers is None else num_workers
+    if not isinstance(workers, int):
+        raise ValueError(f"data.num_workers={workers!r}: pass the resolved worker count as num_workers "
+                         "(build_train_loader sizes 'auto')")
     if cfg.train_shards is None:
         raise ValueError("data.train_shards is not set; point it at tar shards "
                          "(e.g. --set data.train_shards='data/train-{000000..000007}.tar')")
@@ -143,9 +151,9 @@ def build_epoch_schedule(cfg: DataConfig, *, micro_batch_size: int, world_size: 
         raise ValueError(f"data.train_weights {weights}: with data.policy=exact a weight is how often a "
                          "source's shards appear per epoch, a whole number; use data.policy=resampled "
                          "for fractional weights")
-    schedule = EpochSchedule(sources, weights, cfg.policy, seed, world_size, cfg.num_workers, micro_batch_size)
+    schedule = EpochSchedule(sources, weights, cfg.policy, seed, world_size, workers, micro_batch_size)
     if cfg.policy == "exact" or cfg.epoch_batches is None:
-        schedule.counts = shard_counts(schedule.urls, cfg.shard_index)
+        schedule.counts = read_counts(schedule.urls, cfg.shard_index)
     if cfg.policy == "resampled":
         schedule.epoch_batches = cfg.epoch_batches or sum(schedule.counts.values()) // (world_size * micro_batch_size)
         if schedule.epoch_batches < 1:

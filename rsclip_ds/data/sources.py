@@ -3,14 +3,17 @@
 ``data.train_shards`` is one or more sources joined by '::'; each is a brace pattern, a glob, a
 .txt list (one url per line) or a url (local path, ``pipe:aws s3 cp s3://bucket/x.tar -``,
 http(s)://, gs://). Sample counts per shard come from an index JSON (make-shards,
-make-synthetic), img2dataset ``*_stats.json`` or counting a local tar's headers.
+make-synthetic), img2dataset ``*_stats.json`` or counting a local tar's headers; in a multi-rank
+run global rank 0 alone reads them and broadcasts them (shard_counts_from_rank0).
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import tarfile
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -18,6 +21,7 @@ import braceexpand
 
 from rsclip_ds.data.tar import split_member
 
+log = logging.getLogger("rsclip_ds.data")
 _REMOTE_PREFIXES = ("pipe:", "http://", "https://", "gs://", "hf://", "ais://")
 
 
@@ -121,3 +125,32 @@ def shard_counts(urls: Sequence[str], shard_index: str | None = None) -> dict[st
             counts[url] = 0
     return counts
 
+
+def shard_counts_from_rank0(urls: Sequence[str], shard_index: str | None = None, *,
+                            read=shard_counts) -> dict[str, int]:
+    """``read(urls, shard_index)`` (shard_counts) on global rank 0 alone, broadcast to the other
+    ranks of the default process group: without an index JSON every rank would read every tar's
+    headers at start-up (ranks x shards metadata requests on a shared file system; 512 ranks x
+    10,000 shards is 5 million). Rank 0's failure (a url without a count) is raised on every rank
+    with its message; a rank whose shard list differs from rank 0's raises too."""
+    import torch.distributed as dist
+
+    box: list = [None]
+    if dist.get_rank() == 0:
+        t0 = time.perf_counter()
+        try:
+            box = [("counts", read(urls, shard_index))]
+        except ValueError as err:
+            box = [("error", str(err))]
+        else:
+            log.info("shard sample counts: %d shards, %d samples, read by rank 0 for all %d ranks in %.1f s",
+                     len(box[0][1]), sum(box[0][1].values()), dist.get_world_size(), time.perf_counter() - t0)
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise ValueError(value)
+    if set(value) != set(urls):
+        raise ValueError(f"rank {dist.get_rank()} expands data.train_shards to other shards than rank 0 "
+                         f"({len(urls)} here, {len(value)} there, e.g. "
+                         f"{sorted(set(urls) ^ set(value))[:3]}): do all nodes see the same files?")
+    return value

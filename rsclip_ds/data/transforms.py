@@ -10,8 +10,9 @@ AID-sized tiles, pixels change slightly against a full decode), colour JPEGs dec
 simplejpeg (bit for bit PIL's decode), and the squash is torch's uint8 antialiased bicubic
 (~7x faster than PIL's, within 2 grey levels of it). docs/data.md ("JPEG decoding") gives the
 measured differences and speeds; ``data.jpeg_draft=false`` takes PIL's path, making training
-pixels bit-identical to evaluation's (tests/unit/test_transforms.py). ``Normalize`` maps uint8
-batches to the model's normalised float32, for both.
+pixels bit-identical to evaluation's (tests/unit/test_transforms.py). Pixels leave as uint8, for
+both: the model normalises them on the device (model.normalize_pixels); ``Normalize`` is its
+numpy reference twin.
 """
 
 from __future__ import annotations
@@ -182,8 +183,9 @@ class ImageTransform:
 
 class Normalize:
     """uint8 pixels (B, S, S, 3) -> float32 (B, 3, S, S), ``(x / 255 - mean) / std``, written
-    into ``out`` when given (the loader passes shared memory). numpy: one pass uint8 -> scaled
-    float32 and one add (this CPU's torch takes ~1.3x longer)."""
+    into ``out`` when given. The reference twin of ``model.normalize_pixels`` (what the loader
+    ran on the CPU before batches went uint8): the tests hold the device path to its numbers,
+    bit for bit."""
 
     def __init__(self, mean, std):
         std = np.asarray(std, np.float32).reshape(1, 3, 1, 1)

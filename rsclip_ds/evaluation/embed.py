@@ -3,7 +3,8 @@
 Embedding runs in batches through the model's own ``forward()`` (the engine's under ZeRO-3,
 which gathers partitioned parameters only inside a module's forward), with the items split over
 ranks and all-gathered, so every rank computes identical metrics. Images go through the
-training loader's transform with augmentation off (data/transforms.py).
+training loader's transform with augmentation off (data/transforms.py) and reach the model as
+uint8, as training's do: one normalisation, the model's (model.normalize_pixels).
 """
 
 from __future__ import annotations
@@ -18,14 +19,20 @@ import torch.distributed as dist
 from rich.progress import Progress
 
 from rsclip_ds.data.tokenizer import tokenize
-from rsclip_ds.data.transforms import ImageTransform, Normalize
+from rsclip_ds.data.transforms import ImageTransform
 from rsclip_ds.evaluation.datasets import EvalSets
 from rsclip_ds.evaluation.metrics import retrieval_metrics, zero_shot_metrics
 from rsclip_ds.model import ModelBundle
 
-def eval_transform(bundle: ModelBundle) -> tuple[ImageTransform, Normalize]:
-    """The training loader's image transform with augmentation off, and its normalisation."""
-    return ImageTransform.from_config(bundle.image_size), Normalize(bundle.image_mean, bundle.image_std)
+def eval_transform(bundle: ModelBundle) -> ImageTransform:
+    """The training loader's image transform with augmentation off (uint8 (S, S, 3) out)."""
+    return ImageTransform.from_config(bundle.image_size)
+
+
+def uint8_batch(transform: ImageTransform, images: Sequence) -> torch.Tensor:
+    """Images -> uint8 (N, 3, S, S), the layout the training loader hands over (a view of
+    (N, S, S, 3) storage); the model normalises it."""
+    return torch.from_numpy(np.stack([transform(p) for p in images])).permute(0, 3, 1, 2)
 
 
 @dataclass
@@ -40,7 +47,6 @@ class Embedder:
     batch_size: int
     rank: int = 0
     world_size: int = 1
-    dtype: torch.dtype = torch.float32
     device: torch.device | str = "cpu"
     progress: bool = True
     logit_scale: torch.Tensor | None = None   # set by embed(): the model's log temperature
@@ -53,18 +59,17 @@ class Embedder:
         per_rank = (-(-len(image_paths) // w), -(-len(texts) // w))   # ceil: the largest share
         steps = max(-(-per_rank[0] // b), -(-per_rank[1] // b))
         b_ = self.bundle
-        transform, normalize = eval_transform(b_)
-        dummy_pixels = torch.zeros(1, 3, b_.image_size, b_.image_size)
+        transform = eval_transform(b_)
+        dummy_pixels = torch.zeros(1, 3, b_.image_size, b_.image_size, dtype=torch.uint8)
         dummy_ids = torch.full((1, 1), b_.tokenizer.pad_token_id or 0, dtype=torch.long)
         images, txts, scale, bias = [], [], None, None
         with torch.no_grad(), Progress(transient=True, disable=not (self.progress and r == 0)) as bar:
             task = bar.add_task(f"eval {what}", total=steps)
             for s in range(steps):
                 paths, caps = mine_img[s * b:(s + 1) * b], mine_txt[s * b:(s + 1) * b]
-                pixels = (torch.from_numpy(normalize(np.stack([transform(p) for p in paths])))
-                          if paths else dummy_pixels)                                     # (B, 3, H, W)
+                pixels = uint8_batch(transform, paths) if paths else dummy_pixels           # (B, 3, H, W) u8
                 ids = tokenize(b_.tokenizer, caps, b_.max_text_length) if caps else dummy_ids  # (B, L)
-                image, text, scale, bias = self.model(pixels.to(self.device, self.dtype), ids.to(self.device))
+                image, text, scale, bias = self.model(pixels.to(self.device), ids.to(self.device))
                 images.append(image[:len(paths)].float())
                 txts.append(text[:len(caps)].float())
                 bar.advance(task)

@@ -20,7 +20,6 @@ import deepspeed
 import torch
 
 from rsclip_ds.config import load_config
-from rsclip_ds.engine import engine_dtype
 from rsclip_ds.evaluation import Embedder, EvalSets
 from rsclip_ds.model import new_dual_encoder, save_pretrained
 from rsclip_ds.trainer import Trainer
@@ -49,8 +48,7 @@ def main() -> None:
         # the trained model's retrieval embeddings, through the ZeRO-3 engine
         sets = EvalSets.from_config(run.eval)
         engine.eval()
-        embedder = Embedder(engine, bundle, run.eval.batch_size, rank, world, engine_dtype(engine),
-                            engine.device, progress=False)
+        embedder = Embedder(engine, bundle, run.eval.batch_size, rank, world, engine.device, progress=False)
         image_emb, text_emb = embedder.embed(sets.retrieval.image_paths, sets.retrieval.captions, "retrieval")
         params = list(engine.module.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=hasattr(params[0], "ds_id")):

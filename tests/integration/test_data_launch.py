@@ -60,8 +60,7 @@ def test_two_ranks_finish_on_uneven_bad_shards_and_report_exact_counts(messy, tm
     cfg = DataConfig(train_shards=messy["shards"], num_workers=3, shuffle_buffer=64, max_bad_fraction=0.5)
     expected: dict[str, int] = {}
     for rank in range(2):
-        loader = build_train_loader(cfg, tokenizer=tok, image_size=32, image_mean=(0.5,) * 3,
-                                    image_std=(0.5,) * 3, max_text_length=16, micro_batch_size=MICRO,
+        loader = build_train_loader(cfg, tokenizer=tok, image_size=32, max_text_length=16, micro_batch_size=MICRO,
                                     rank=rank, world_size=2, seed=0)
         list(itertools.islice(iter(loader), STEPS))
         for k, v in loader.bad_data().items():

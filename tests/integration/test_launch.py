@@ -8,7 +8,9 @@ of optimizer steps, and two "nodes" joined by a hostfile train together.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -129,3 +131,16 @@ def test_launcher_reports_a_bad_config_before_starting(launch_data, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "batch.micro_batch_size: Input should be greater than or equal to 1" in proc.stdout + proc.stderr
+
+
+def test_too_little_shared_memory_stops_before_training_with_exit_code_2(launch_data, tmp_path):
+    """The /dev/shm check against this machine's free space: a micro batch whose batches in
+    flight (1 worker: 2 prefetched + 1 held, uint8 at 64 px) need about twice what is free."""
+    free = shutil.disk_usage("/dev/shm").free
+    micro = int(2 * free / (1.25 * 3 * (3 * 64 * 64 + 8 * 64)))
+    args = train_args(launch_data, tmp_path, [f"batch.micro_batch_size={micro}", "profile=zero1"])[2:]
+    proc = subprocess.run([sys.executable, "-m", "rsclip_ds"] + args, cwd=ROOT, env=launch_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "rsclip-ds: error: the data loader needs ~" in proc.stderr and "--shm-size=" in proc.stderr
+    assert not (tmp_path / "summary.json").exists()

@@ -13,18 +13,19 @@ import pytest
 import torch
 
 from rsclip_ds.config import DataConfig
-from rsclip_ds.data import DataError, EpochSchedule, build_train_loader, expand_urls
+from rsclip_ds.data import DataError, EpochSchedule, auto_num_workers, build_train_loader, expand_urls
 from tests.helpers import wait_for
 
 B = 8  # micro-batch; tiny_shards has 8 train shards of 8 samples
 
 
-def _loader(index, *, rank=0, world_size=1, seed=0, mean=(0.5,) * 3, std=(0.5,) * 3, flip=True, **data):
+def _loader(index, *, rank=0, world_size=1, seed=0, flip=True, state=None, cores=None, local_world_size=1,
+            **data):
     cfg = DataConfig(**{"train_shards": index["train_pattern"], "num_workers": 0, "shuffle_buffer": 16,
                         "hflip": flip, **data})
-    return build_train_loader(cfg, tokenizer=index["tokenizer"], image_size=16, image_mean=mean,
-                              image_std=std, max_text_length=40, micro_batch_size=B, rank=rank,
-                              world_size=world_size, seed=seed, return_keys=True)
+    return build_train_loader(cfg, tokenizer=index["tokenizer"], image_size=16, max_text_length=40,
+                              micro_batch_size=B, rank=rank, world_size=world_size, seed=seed,
+                              return_keys=True, state=state, cores=cores, local_world_size=local_world_size)
 
 
 def _take(loader, n):
@@ -96,17 +97,62 @@ def test_workers_are_clamped_to_the_shards_of_the_rank(index, caplog):
     assert _loader(index, num_workers=2).num_workers == 2  # enough shards: unchanged
 
 
+@pytest.mark.parametrize("cores, local_ranks, workers", [
+    (2, 2, 1),     # this machine under the demo: nothing to spare, still one worker
+    (16, 8, 1),    # 8 GPUs, 16 cores: 2 per rank, one of them the rank's own
+    (96, 8, 11),
+    (64, 1, 63),
+    (7, 2, 2),     # 3 cores per rank (rounded down)
+    (1, 1, 1),
+])
+def test_auto_workers_share_the_cores_of_the_node(cores, local_ranks, workers):
+    assert auto_num_workers(cores, local_ranks) == workers
+
+
+def test_auto_workers_are_sized_capped_and_logged_once(index, caplog):
+    """data.num_workers=auto with 8 cores for 2 ranks: 3 per rank; 3 shards over 2 ranks cap
+    them at 2 and 1 (as any count), one INFO line from rank 0, no warning."""
+    spec = f"{index['dir']}/train-{{000000..000002}}.tar"
+    with caplog.at_level(logging.INFO, logger="rsclip_ds.data"):
+        many = _loader(index, num_workers="auto", cores=8, local_world_size=2)
+        capped = [_loader(index, rank=r, world_size=2, train_shards=spec, num_workers="auto", cores=8,
+                          local_world_size=2) for r in (0, 1)]
+    assert many.num_workers == many.streams == 3
+    assert [ld.num_workers for ld in capped] == [2, 1]
+    lines = [r for r in caplog.records if "data.num_workers=auto" in r.getMessage()]
+    assert [r.levelname for r in lines] == ["INFO", "INFO"]   # one per loader built as rank 0
+    assert "3 worker(s) per rank (8 core(s) for 2 rank(s) on this node" in lines[0].getMessage()
+    assert "rank 0 has 2 shard(s) and uses 2" in lines[1].getMessage()
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert _loader(index, num_workers="auto", cores=2, local_world_size=1).num_workers == 1
+
+
+def test_auto_workers_keep_the_saved_streams_on_resume(index, monkeypatch, caplog):
+    """A run saved with 2 streams per rank resumes with auto on a machine that would pick 7:
+    it keeps 2 (exact resume needs them) and says so; an explicit other count is refused."""
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    first = _loader(index, num_workers="auto", cores=3, local_world_size=1)
+    assert first.num_workers == 2
+    want = _take(first, 3)
+    state = first.state_dict()
+    with caplog.at_level(logging.INFO, logger="rsclip_ds.data"):
+        resumed = _loader(index, num_workers="auto", cores=8, local_world_size=1, state=state)
+    assert resumed.num_workers == 2
+    assert "the saved data position's count" in caplog.text and "would give 7" in caplog.text
+    assert _keys(_take(resumed, 2)) == _keys(_take(_loader(index, num_workers=2), 5)[3:])
+    assert _keys(want) == _keys(_take(_loader(index, num_workers=2), 3))
+    with pytest.raises(ValueError, match=r"streams: saved 2, now 3 \(keep data.num_workers.*or set it to auto"):
+        _loader(index, num_workers=3, state=state)
+
+
 # --------------------------------------------------------------------------- batches
 
-def test_batches_have_shapes_dtypes_and_normalisation(index):
-    raw = _take(_loader(index, mean=(0.0,) * 3, std=(1.0,) * 3), 3)
-    norm = _take(_loader(index, mean=(0.5,) * 3, std=(0.25,) * 3), 3)
-    for r, n in zip(raw, norm):
-        assert r["pixel_values"].shape == (B, 3, 16, 16) and r["pixel_values"].dtype == torch.float32
+def test_batches_have_shapes_and_dtypes(index):
+    """uint8 pixels (the model normalises them: tests/unit/test_pixels.py) and token ids."""
+    for r in _take(_loader(index), 3):
+        assert r["pixel_values"].shape == (B, 3, 16, 16) and r["pixel_values"].dtype == torch.uint8
         assert r["input_ids"].shape == (B, 40) and r["input_ids"].dtype == torch.int64
-        assert 0.0 <= r["pixel_values"].min() and r["pixel_values"].max() <= 1.0
-        assert r["pixel_values"].std() > 0.05  # not blank
-        torch.testing.assert_close(n["pixel_values"], (r["pixel_values"] - 0.5) / 0.25)
+        assert r["pixel_values"].float().std() > 12  # not blank (0..255 grey levels)
         assert (r["input_ids"] == index["tokenizer"].eos_token_id).sum(1).eq(1).all()
 
 

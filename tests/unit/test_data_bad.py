@@ -91,9 +91,8 @@ def test_each_shard_is_counted_by_kind(bad_shards, name):
 def _loader(spec, tok, *, state=None, **data):
     cfg = DataConfig(**{"train_shards": spec, "num_workers": 0, "shuffle_buffer": 0, "max_bad_fraction": 1.0,
                         **data})
-    return build_train_loader(cfg, tokenizer=tok, image_size=8, image_mean=(0.5,) * 3, image_std=(0.5,) * 3,
-                              max_text_length=16, micro_batch_size=B, rank=0, world_size=1, seed=0,
-                              return_keys=True, state=state)
+    return build_train_loader(cfg, tokenizer=tok, image_size=8, max_text_length=16, micro_batch_size=B, rank=0,
+                              world_size=1, seed=0, return_keys=True, state=state)
 
 
 def _expected(plan, opened_per_epoch: list[int]) -> dict:

@@ -1,30 +1,32 @@
-"""Loader features: weighted sources, pipe: urls, RS5M / JSON member names, augmentations and
-normalisation, and shard counts from img2dataset stats."""
+"""Loader features: weighted sources, pipe: urls, RS5M / JSON member names, augmentations, and
+shard counts from img2dataset stats, read by one rank for all."""
 
 from __future__ import annotations
 
 import io
 import itertools
 import json
+import multiprocessing
+import os
 import random
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 from webdataset import TarWriter
 
 from rsclip_ds.config import DataConfig
-from rsclip_ds.data import ImageTransform, SampleDecoder, build_epoch_schedule, build_train_loader, shard_counts
+from rsclip_ds.data import (ImageTransform, SampleDecoder, build_epoch_schedule, build_train_loader, shard_counts,
+                            shard_counts_from_rank0)
 from tests.helpers import deadline, write_shards
 
 
 def _loader(spec, tok, **data):
     cfg = DataConfig(**{"train_shards": spec, "num_workers": 0, "shuffle_buffer": 0, **data})
-    return build_train_loader(cfg, tokenizer=tok, image_size=8, image_mean=(0.0,) * 3, image_std=(1.0,) * 3,
-                              max_text_length=16, micro_batch_size=4, rank=0, world_size=1, seed=0,
-                              return_keys=True)
+    return build_train_loader(cfg, tokenizer=tok, image_size=8, max_text_length=16, micro_batch_size=4, rank=0,
+                              world_size=1, seed=0, return_keys=True)
 
 
 def _keys(loader, n):
@@ -136,25 +138,59 @@ def test_random_resized_crop_covers_the_asked_area():
     assert len({b[:2] for b in boxes}) > 5      # random positions
 
 
-def test_normalisation_uses_the_model_mean_and_std(tmp_path, tiny_tokenizer):
-    spec = write_shards(tmp_path, [8])
-    cfg = DataConfig(train_shards=spec, num_workers=0, shuffle_buffer=0)
-    kw = dict(tokenizer=tiny_tokenizer, image_size=8, max_text_length=16, micro_batch_size=4, rank=0,
-              world_size=1, seed=0)
-    raw = next(iter(build_train_loader(cfg, image_mean=(0, 0, 0), image_std=(1, 1, 1), **kw)))["pixel_values"]
-    mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)   # CLIP
-    norm = next(iter(build_train_loader(cfg, image_mean=mean, image_std=std, **kw)))["pixel_values"]
-    want = (raw - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
-    torch.testing.assert_close(norm, want)
-    assert raw.min() >= 0 and raw.max() <= 1 and raw.dtype == torch.float32
-
-
 def test_counts_from_img2dataset_stats_and_tar_headers(tmp_path):
     spec = write_shards(tmp_path, [5, 7])
     (tmp_path / "s-01_stats.json").write_text(json.dumps({"count": 9, "successes": 6}))
     counts = shard_counts([str(tmp_path / "s-00.tar"), str(tmp_path / "s-01.tar")])
     assert counts == {str(tmp_path / "s-00.tar"): 5, str(tmp_path / "s-01.tar"): 6}
     assert spec.endswith("s-{00..01}.tar")
+
+
+def _rank_reading_counts(rank: int, world: int, store: str, spec: str, out: str) -> None:
+    """One rank of a gloo group (a forked process): build its loader, counting the tar header
+    reads, and ask for the count of a url nobody can count; write what happened to ``out``."""
+    import torch.distributed as dist
+
+    from rsclip_ds.data import sources
+
+    code = 1
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        reads, real = [], sources.count_tar_samples
+        sources.count_tar_samples = lambda path: reads.append(Path(path).name) or real(path)
+        loader = build_train_loader(DataConfig(train_shards=spec, num_workers=0, shuffle_buffer=0), tokenizer=None,
+                                    image_size=8, max_text_length=16, micro_batch_size=2, rank=rank,
+                                    world_size=world, seed=0)
+        try:
+            shard_counts_from_rank0(["pipe:cat elsewhere.tar"])
+            error = None
+        except ValueError as err:
+            error = str(err)
+        Path(out).write_text(json.dumps({"reads": reads, "counts": loader.schedule.counts, "error": error}))
+        dist.destroy_process_group()
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def test_only_rank_0_reads_the_shard_counts_and_the_others_get_them(tmp_path):
+    """Two ranks in a gloo group, shards without an index (every tar's headers must be read):
+    rank 0 reads each tar once, rank 1 reads none and gets the same counts; rank 0's error
+    reaches rank 1 with its message."""
+    spec = write_shards(tmp_path, [3, 5, 2, 4])
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_rank_reading_counts, args=(r, 2, str(tmp_path / "store"), spec,
+                                                            str(tmp_path / f"rank{r}.json"))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert sorted(got[0]["reads"]) == ["s-00.tar", "s-01.tar", "s-02.tar", "s-03.tar"] and got[1]["reads"] == []
+    want = {str(tmp_path / f"s-0{i}.tar"): n for i, n in enumerate([3, 5, 2, 4])}
+    assert got[0]["counts"] == got[1]["counts"] == want
+    assert got[0]["error"] == got[1]["error"] and "no sample count for 'pipe:cat elsewhere.tar'" in got[1]["error"]
 
 
 @pytest.mark.parametrize("fmt", ["pax", "gnu", "ustar"])

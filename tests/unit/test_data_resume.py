@@ -25,9 +25,8 @@ def shards(tmp_path_factory):
 def make_loader(spec, tokenizer, rank, state=None, **data):
     cfg = DataConfig(**{"train_shards": spec, "num_workers": 2, "shuffle_buffer": 5, "hflip": True,
                         "rot90": True, "random_resized_crop": (0.5, 1.0), **data})
-    return build_train_loader(cfg, tokenizer=tokenizer, image_size=8, image_mean=(0.5,) * 3,
-                              image_std=(0.5,) * 3, max_text_length=16, micro_batch_size=B, rank=rank,
-                              world_size=WORLD, seed=3, return_keys=True, state=state)
+    return build_train_loader(cfg, tokenizer=tokenizer, image_size=8, max_text_length=16, micro_batch_size=B,
+                              rank=rank, world_size=WORLD, seed=3, return_keys=True, state=state)
 
 
 def take(loader_iter, n):
@@ -128,9 +127,8 @@ def test_resume_mismatch_names_what_differs_and_the_fix(shards, tiny_tokenizer):
     state = loader.state_dict()
     with pytest.raises(ValueError, match=r"seed: saved 3, now 4 \(run with the seed"):
         cfg = DataConfig(train_shards=shards, num_workers=0)
-        build_train_loader(cfg, tokenizer=tiny_tokenizer, image_size=8, image_mean=(0.5,) * 3,
-                           image_std=(0.5,) * 3, max_text_length=16, micro_batch_size=B, rank=0,
-                           world_size=WORLD, seed=4, state=state)
+        build_train_loader(cfg, tokenizer=tiny_tokenizer, image_size=8, max_text_length=16, micro_batch_size=B,
+                           rank=0, world_size=WORLD, seed=4, state=state)
     with pytest.raises(ValueError, match=r"streams: saved 1, now 2 \(keep data.num_workers"):
         make_loader(shards, tiny_tokenizer, 0, state=state, num_workers=2)
     with pytest.raises(ValueError, match=r"shards: saved .* \(keep data.train_shards"):

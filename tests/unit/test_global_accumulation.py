@@ -1,5 +1,6 @@
 """Pieces of 'global' accumulation that need no process group."""
 
+import pytest
 import torch
 
 from rsclip_ds.model import new_dual_encoder, preset_config
@@ -23,3 +24,47 @@ def test_rng_replay_gives_the_same_dropout_masks():
     replayed = model(pixels, ids)
     assert not torch.allclose(again[0], cached[0])
     assert torch.equal(replayed[0], cached[0]) and torch.equal(replayed[1], cached[1])
+
+
+def test_one_micro_batch_on_the_device_at_a_time_and_the_big_batch_gradients(monkeypatch):
+    """Both passes move each micro-batch when they use it (2k copies, each followed by its
+    forward, the previous copy freed by then), and the step still is the big batch's: loss and
+    gradients equal plain torch on the concatenated k x micro samples."""
+    import weakref
+
+    import rsclip_ds.train as train_mod
+    from rsclip_ds.losses import siglip_loss
+    from tests.helpers import LocalEngine
+
+    k, micro, config = 3, 4, preset_config("tiny")
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randint(0, 256, (k * micro, 3, 64, 64), dtype=torch.uint8, generator=g)
+    ids = torch.randint(0, 1000, (k * micro, 48), generator=g)
+    batches = [{"pixel_values": p, "input_ids": i} for p, i in zip(pixels.split(micro), ids.split(micro))]
+
+    events, on_device = [], []
+    real_inputs = train_mod._inputs
+
+    def copying_inputs(engine, batch, dtype):   # a "device" copy we can watch being freed
+        moved = tuple(t.clone() for t in real_inputs(engine, batch, dtype))
+        on_device.append(weakref.ref(moved[0]))
+        events.append("move")
+        return moved
+
+    class Watched(LocalEngine):
+        def __call__(self, *inputs):
+            live = sum(ref() is not None for ref in on_device)
+            events.append(f"forward({live} on device)")
+            return super().__call__(*inputs)
+
+    monkeypatch.setattr(train_mod, "_inputs", copying_inputs)
+    engine = Watched(new_dual_encoder(config, seed=1))
+    loss = train_mod.train_step_global(engine, batches, siglip_loss, torch.float32)
+    assert events == ["move", "forward(1 on device)"] * (2 * k)
+
+    reference = new_dual_encoder(config, seed=1)
+    ref_loss = siglip_loss(*reference(pixels, ids))
+    ref_loss.backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-6)
+    for (name, p), r in zip(engine.module.named_parameters(), reference.parameters()):
+        assert (p.grad - r.grad).abs().max() < 2e-5, name

@@ -4,14 +4,19 @@ answers for a few budgets (the seed article's 80 GB model on 4 x 24 GB among the
 import argparse
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-from rsclip_ds.memory import (GiB, Budget, _probe, activation_bytes_per_sample, model_state_bytes, plan,
-                              preset_spec, recommend, saved_bytes, scaled_spec)
+from rsclip_ds.memory import (GiB, _probe, activation_bytes_per_sample, model_state_bytes, peak, preset_spec,
+                              saved_bytes, scaled_spec)
+from rsclip_ds.planner import Budget, plan, recommend
+from rsclip_ds.profiles import PROFILE_DIR, Profile, load_profile
 from rsclip_ds.config import ConfigError
 from rsclip_ds.model import new_dual_encoder, preset_config
 from rsclip_ds.cli.plan import parse_bytes
@@ -19,15 +24,15 @@ from rsclip_ds.cli.plan import register as add_plan_parser
 from rsclip_ds.cli.plan import run as cmd_plan
 
 PSI, LAYER = 652_150_786, 32_768_000   # git-rsclip-large, its token embedding
-NO_BUCKETS = {"reduce_bucket_size": 0, "allgather_bucket_size": 0, "stage3_prefetch_bucket_size": 0}
 
 
 @pytest.mark.parametrize("gpus", [1, 4, 8])
-def test_zero2_step_peak_is_deepspeeds_estimate(gpus):
-    s = model_state_bytes(PSI, LAYER, 2, False, False, "bf16", gpus, gpus, NO_BUCKETS)
+def test_zero2_states_and_step_cast_are_deepspeeds_estimate(gpus):
+    s = model_state_bytes(PSI, 2, False, False, "bf16", gpus, gpus)
     _, ds_gpu = estimate_zero2_model_states_mem_needs(PSI, gpus, cpu_offload=False)
-    assert s.gpu + s.step_extra == pytest.approx(ds_gpu, rel=1e-6)          # 2Ψ + 18Ψ/G
-    off = model_state_bytes(PSI, LAYER, 2, True, False, "bf16", gpus, gpus, NO_BUCKETS)
+    # 2Ψ + 18Ψ/G: our states (2Ψ + 14Ψ/G) and the step's fp32 cast of the gradient partition
+    assert s.gpu + 4 * math.ceil(PSI / gpus) == pytest.approx(ds_gpu, rel=1e-6)
+    off = model_state_bytes(PSI, 2, True, False, "bf16", gpus, gpus)
     ds_cpu, ds_gpu = estimate_zero2_model_states_mem_needs(PSI, gpus, cpu_offload=True)
     assert off.gpu == ds_gpu                                                # 2Ψ
     if gpus <= 4:                                                           # max(4G, 16)Ψ x 1.5
@@ -37,35 +42,87 @@ def test_zero2_step_peak_is_deepspeeds_estimate(gpus):
 @pytest.mark.parametrize("gpus", [1, 4, 8])
 def test_zero3_agrees_with_deepspeed_where_comparable(gpus):
     kw = dict(num_gpus_per_node=gpus, zero_init=True)
-    # optimizer offload: 2Ψ/G + 4L on the GPU, 16Ψ per node on the CPU (DeepSpeed x 1.5)
-    s = model_state_bytes(PSI, LAYER, 3, True, False, "bf16", gpus, gpus, NO_BUCKETS)
+    # optimizer offload: 2Ψ/G + 4L on the GPU (DeepSpeed's largest layer: ours is the gathered
+    # term of the peak), 16Ψ per node on the CPU (DeepSpeed x 1.5)
+    s = model_state_bytes(PSI, 3, True, False, "bf16", gpus, gpus)
     ds_cpu, ds_gpu, _ = estimate_zero3_model_states_mem_needs(PSI, LAYER, cpu_offload=True,
                                                               cpu_offload_params=False, **kw)
-    assert s.gpu + s.train_extra == pytest.approx(ds_gpu, rel=0.01)
+    assert s.gpu + 4 * LAYER == pytest.approx(ds_gpu, rel=0.01)
     if gpus <= 4:   # beyond, our CPU peak is the fp32 model every rank builds first (4Ψ per rank)
         # + the flat 16-bit gradient partition DeepSpeed's estimator leaves out (2Ψ per node,
         # measured by benchmarks/memory.py as grad_partitions_flat_buffer)
         assert s.cpu_node - ds_cpu / 1.5 == pytest.approx(2 * PSI, rel=0.01)
-    # parameter + optimizer offload: the gathered layer only, 18Ψ per node
-    s = model_state_bytes(PSI, LAYER, 3, True, True, "bf16", gpus, gpus, NO_BUCKETS)
+    # parameter + optimizer offload: nothing persistent on the GPU, 18Ψ per node
+    s = model_state_bytes(PSI, 3, True, True, "bf16", gpus, gpus)
     ds_cpu, ds_gpu, _ = estimate_zero3_model_states_mem_needs(PSI, LAYER, cpu_offload=True, **kw)
-    assert (s.gpu, s.train_extra) == (0, ds_gpu)
+    assert (s.gpu, ds_gpu) == (0, 4 * LAYER)
     assert s.cpu_node == pytest.approx(max(ds_cpu / 1.5 + 2 * PSI, 4 * PSI * gpus), rel=0.01)
     # no offload: we add the 16-bit parameter partition DeepSpeed's 18Ψ/G leaves out (2Ψ/G)
-    s = model_state_bytes(PSI, LAYER, 3, False, False, "bf16", gpus, gpus, NO_BUCKETS)
+    s = model_state_bytes(PSI, 3, False, False, "bf16", gpus, gpus)
     _, ds_gpu, _ = estimate_zero3_model_states_mem_needs(PSI, LAYER, cpu_offload=False, **kw)
-    ours = s.gpu + s.step_extra + 4 * LAYER
+    ours = s.gpu + 4 * math.ceil(PSI / gpus) + 4 * LAYER   # + the step's fp32 gradient, DeepSpeed's layer
     assert ours - ds_gpu == pytest.approx(2 * PSI / gpus, rel=0.01)
 
 
 def test_fp32_keeps_a_master_copy_like_deepspeed_and_zero1_shards_gradients():
     """DeepSpeed 0.19.8 behaviour measured by benchmarks/memory.py: an fp32 master partition
     even in fp32 (20 bytes/param), and ZeRO-1 keeping only its gradient partition."""
-    s = model_state_bytes(10**9, 0, 3, False, False, "fp32", 4, 4, NO_BUCKETS)
-    assert (s.gpu, s.step_extra) == (20 * 10**9 // 4, 0)
-    z1 = model_state_bytes(10**9, 0, 1, False, False, "bf16", 4, 4, NO_BUCKETS)
-    z2 = model_state_bytes(10**9, 0, 2, False, False, "bf16", 4, 4, NO_BUCKETS)
+    assert model_state_bytes(10**9, 3, False, False, "fp32", 4, 4).gpu == 20 * 10**9 // 4
+    z1 = model_state_bytes(10**9, 1, False, False, "bf16", 4, 4)
+    z2 = model_state_bytes(10**9, 2, False, False, "bf16", 4, 4)
     assert z1.gpu == z2.gpu == 2 * 10**9 + 14 * 10**9 // 4
+
+
+def _profile(tmp_path, name: str, **zero) -> Profile:
+    """A shipped profile with some zero_optimization values changed."""
+    raw = json.loads((PROFILE_DIR / f"{name}.json").read_text())
+    raw["zero_optimization"].update(zero)
+    path = tmp_path / f"{name}_{len(list(tmp_path.iterdir()))}.json"
+    path.write_text(json.dumps(raw))
+    return load_profile(str(path))
+
+
+def test_peak_terms_of_zero1_and_zero2(tmp_path):
+    """ZeRO-1 holds the full gradients between micro-steps when it accumulates; a GPU allocates
+    DeepSpeed's reduce buckets whole (twice with overlap_comm), CPU ranks only what is written."""
+    spec = preset_spec("git-rsclip-base")
+    psi, G, g = spec.params, 4, 2
+    kw = dict(micro=8, checkpointing=False, accumulation="plain")
+    z1, z2 = _profile(tmp_path, "zero1", reduce_bucket_size=10**7), _profile(tmp_path, "zero2", reduce_bucket_size=10**7)
+    one, four = (peak(spec, z1, "bf16", G, G, accumulation_steps=k, **kw) for k in (1, 4))
+    assert four.gradients == g * (psi - math.ceil(psi / G))      # full gradients instead of the partition
+    assert one.gradients == g * 10**7                            # one bucket's worth waiting to be copied
+    assert one.buckets == g * 10**7                              # overlap_comm off: one bucket
+    two = peak(spec, z2, "bf16", G, G, accumulation_steps=4, **kw)
+    assert two.gradients == g * 10**7 and two.buckets == 2 * g * 10**7
+    huge = _profile(tmp_path, "zero2", reduce_bucket_size=10**9)   # larger than the model
+    assert peak(spec, huge, "bf16", G, G, accumulation_steps=1, **kw).buckets == 2 * g * 10**9
+    assert peak(spec, huge, "bf16", G, G, accumulation_steps=1, device="cpu", **kw).buckets == g * psi
+    # the step: flat gradient copy (g) + fp32 cast (4) + AdamW's temporary (4, foreach on a GPU)
+    assert one.step == (g + 4 + 4) * math.ceil(psi / G)
+    assert one.allocated == one.states + max(one.train, one.step)
+    assert one.reserved == int(one.allocated + 0.10 * max(one.train, one.step)) + GiB
+    assert peak(spec, z1, "bf16", G, G, accumulation_steps=1, device="cpu", **kw).reserve == 0
+
+
+def test_zero3_gathered_parameters(tmp_path):
+    """With prefetching, ZeRO-3 keeps every parameter gathered from forward to backward (measured
+    in 0.19.8, whatever the reuse distance); without, about half the reuse distance stays."""
+    spec = preset_spec("git-rsclip-base")
+    p, kw = 2, dict(micro=8, accumulation_steps=1)
+    for reuse in (0, 10**9):
+        pf = peak(spec, _profile(tmp_path, "zero3", stage3_max_reuse_distance=reuse), "bf16", 4, 4, **kw)
+        assert pf.gathered == p * spec.params
+    none = peak(spec, _profile(tmp_path, "zero3", stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0),
+                "bf16", 4, 4, **kw)
+    assert none.gathered == p * spec.largest_layer
+    half = peak(spec, _profile(tmp_path, "zero3", stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=10**8),
+                "bf16", 4, 4, **kw)
+    assert half.gathered == p * (5 * 10**7 + spec.largest_layer)
+    assert none.allocated < half.allocated < pf.allocated
+    # the step: the sub-group's fp32 gradient and AdamW's temporary (sub_group_size bounds both)
+    small = peak(spec, _profile(tmp_path, "zero3", sub_group_size=10**7, reduce_bucket_size=10**7), "bf16", 4, 4, **kw)
+    assert small.step == (4 + 4) * 10**7 + 2 * 10**7   # + the reduce bucket ZeRO-3 keeps allocated
 
 
 def test_probe_on_meta_matches_a_real_cpu_forward():
@@ -90,17 +147,21 @@ def test_activations_grow_linearly_and_checkpointing_cuts_them(preset):
         assert activation_bytes_per_sample(preset, "fp32", False)["vision"] == pytest.approx(2 * full["vision"], rel=0.01)
 
 
-def test_80gb_model_needs_offload_on_one_gpu_and_fits_4_x_24gb_with_zero3():
+def test_80gb_model_needs_offload_on_one_gpu_and_on_4_x_24gb():
     spec = scaled_spec(5e9)
     assert 16 * spec.params == pytest.approx(80e9, rel=0.02)          # the article's ~80 GB of states
     one = plan(spec, Budget(1, 1, 24 * GiB), 1024)
     assert all(r.fits == ("offload" in r.profile) for r in one)
     four = plan(spec, Budget(4, 1, 24 * GiB), 1024)
-    zero3 = [r for r in four if r.profile == "zero3"]
-    assert all(r.fits for r in zero3)                                 # 16Ψ/4 = 20 GB of states
-    assert not any(r.fits for r in four if r.profile in ("zero1", "zero2"))
+    # ZeRO-3's 16Ψ/4 = 20 GB of states would fit, but with prefetching it keeps every 16-bit
+    # weight gathered from forward to backward (2Ψ = 10 GB more; measured in 0.19.8): only the
+    # profiles that offload fit, zero3_offload (no prefetching) among them
+    zero3 = {r.checkpointing: r for r in four if r.profile == "zero3"}
+    assert not any(r.fits for r in zero3.values())
+    assert zero3[True].allocated_gib * GiB > 16 * spec.params / 4 + 2 * spec.params
+    assert all(r.fits == ("offload" in r.profile) for r in four)
     best = recommend(four)
-    assert best.fits and best.checkpointing and best.profile in ("zero3", "zero3_offload", "zero2_offload")
+    assert best.fits and best.checkpointing and best.profile in ("zero3_offload", "zero2_offload")
     assert best.micro * best.accumulation * 4 == 1024
 
 
@@ -157,7 +218,7 @@ def test_the_planner_counts_what_trains_under_locks_and_lora():
     assert locked.trainable == full.text_params + 2 and locked.params == full.params
     # LoRA r=8 on q, k, v, out of 24 + 24 blocks of width 1024: 4 x 2 x 8 x 1024 per block
     assert lora.trainable == 48 * 4 * 2 * 8 * 1024 + 2 and lora.params == full.params + lora.trainable - 2
-    states = [model_state_bytes(s.params, s.largest_layer, 1, False, False, "bf16", 4, 4, trainable=s.trainable)
+    states = [model_state_bytes(s.params, 1, False, False, "bf16", 4, 4, trainable=s.trainable)
               for s in (full, locked, lora)]
     # ZeRO-1 bf16: 2 bytes per weight for all, (2 + 12) per trainable element / 4 GPUs
     for s, st in zip((full, locked, lora), states):
@@ -182,8 +243,7 @@ def test_plan_takes_finetune_sets_only(capsys):
     def planned(*sets):
         capsys.readouterr()
         assert cmd_plan(parser.parse_args(base + [a for s in sets for a in ("--set", s)])) == 0
-        out = capsys.readouterr().out
-        return json.loads(out[out.index("{"):])
+        return json.loads(capsys.readouterr().out)
 
     full, locked = planned(), planned("finetune.lock_image=true")
     assert locked["trainable"] < full["trainable"] == full["params"]
@@ -191,3 +251,15 @@ def test_plan_takes_finetune_sets_only(capsys):
     assert "--set finetune.lock_image=true" in locked["command"]
     with pytest.raises(ConfigError, match="finetune"):
         cmd_plan(parser.parse_args(base + ["--set", "steps=3"]))
+
+
+def test_plan_json_stdout_is_only_json():
+    """`rsclip-ds plan --json | jq` on a laptop: DeepSpeed's accelerator warning (printed to
+    stdout at import when no GPU is found and DS_ACCELERATOR is unset) must go to stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    proc = subprocess.run([sys.executable, "-m", "rsclip_ds", "plan", "--model", "tiny", "--gpus", "2",
+                           "--gpu-mem", "8GiB", "--global-batch", "64", "--json"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)   # the whole of stdout, nothing before or after
+    assert doc["model"] == "tiny" and doc["recommended"]["fits"]

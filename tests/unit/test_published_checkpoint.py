@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 
 from rsclip_ds.config import ConfigError, ModelConfig
 from rsclip_ds.data.tokenizer import tokenize
-from rsclip_ds.evaluation.embed import Embedder, class_embeddings, eval_transform
+from rsclip_ds.evaluation.embed import Embedder, class_embeddings, eval_transform, uint8_batch
 from rsclip_ds.evaluation.metrics import zero_shot_probabilities
 from rsclip_ds.hub import is_hub_id, resolve_source
-from rsclip_ds.model import build_model, load_tokenizer
+from rsclip_ds.model import build_model, load_tokenizer, normalize_pixels
 from tests.published_like import IMAGE_SIZE, TEXT_LENGTH, captions, write_hf_cache, write_published_like
 
 TEMPLATE = "a satellite photo of {}."
@@ -71,8 +71,9 @@ def test_evaluation_pixels_equal_siglip_image_processor(published, images):
     from transformers import AutoImageProcessor
 
     bundle = build_model(ModelConfig(pretrained=str(published)), seed=0)
-    transform, normalize = eval_transform(bundle)
-    ours = torch.from_numpy(normalize(np.stack([transform(p) for p in images])))
+    # what the model receives from evaluation (uint8) and normalises itself, with the folder's mean/std
+    ours = normalize_pixels(uint8_batch(eval_transform(bundle), images), bundle.model.image_mean,
+                            bundle.model.image_std)
     processor = AutoImageProcessor.from_pretrained(str(published))
     theirs = processor(images=[Image.open(p).convert("RGB") for p in images], return_tensors="pt")["pixel_values"]
     diff = (ours - theirs).abs().max().item()

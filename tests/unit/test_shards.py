@@ -157,9 +157,8 @@ def test_loader_reads_made_shards_and_draws_every_caption(rsicd, tiny_tokenizer)
     _run("--karpathy", rsicd / "dataset_rsicd.json", "--images", rsicd / "RSICD_images", "--out", out,
          "--shard-size", 2)
     cfg = DataConfig(train_shards=str(out / "train-{000000..000002}.tar"), num_workers=0, shuffle_buffer=0)
-    loader = build_train_loader(cfg, tokenizer=tiny_tokenizer, image_size=8, image_mean=(0.5,) * 3,
-                                image_std=(0.5,) * 3, max_text_length=40, micro_batch_size=2, rank=0,
-                                world_size=1, seed=0, return_keys=True)
+    loader = build_train_loader(cfg, tokenizer=tiny_tokenizer, image_size=8, max_text_length=40, micro_batch_size=2,
+                                rank=0, world_size=1, seed=0, return_keys=True)
     assert loader.schedule.counts == {str(out / f"train-00000{i}.tar"): n for i, n in enumerate([2, 2, 2])}
     seen: dict[str, set] = {}
     for batch in itertools.islice(iter(loader), 60):   # 20 epochs of 3 batches
