@@ -1,14 +1,20 @@
 """Samples/s, MFU and peak memory of git-rsclip-base / -large on one GPU: bf16, ZeRO-2 and
-ZeRO-3, with and without activation checkpointing. No network; the batches are synthetic tensors.
+ZeRO-3, with and without activation checkpointing; and whether the data path keeps up: the same
+steps fed by the real loader from JPEG shards (--data loader) against a batch already in device
+memory (--data tensor, the default). No network; the shards are synthetic.
 
     python benchmarks/gpu.py --out benchmarks/results/gpu_h200.json
+    python benchmarks/gpu.py --profiles zero2 --ac off --data tensor loader \
+        --out benchmarks/results/gpu_h200_loader.json        # the data path: 4 cases, ~4 min
 
 One command, 8 configurations, under 8 minutes on an H200 (about 45 s each: start-up, engine,
 2 warm-up steps, then timed steps for --seconds). Each configuration runs in its own process
 (a fresh CUDA context, so peak memory is its own); one that fails or runs out of its time is
-recorded with the reason and the others go on. CPU smoke test (what the slow test runs):
+recorded with the reason and the others go on. CPU smoke tests (what the slow test runs):
 
     DS_ACCELERATOR=cpu python benchmarks/gpu.py --model tiny --out /tmp/gpu_tiny.json
+    DS_ACCELERATOR=cpu python benchmarks/gpu.py --model tiny --profiles zero2 --ac off --data tensor loader \
+        --data-images 64 --data-px 64 --loader-workers 1 --out /tmp/gpu_tiny_loader.json
 
 Per configuration: samples/s (timed steps x micro / seconds, after warm-up, with a device sync
 at both ends), model FLOPs per sample (rsclip_ds.flops: 3 x the forward matmul FLOPs of both
@@ -17,20 +23,31 @@ for H100/H200 SXM; --peak-tflops for others), HFU (counting the recomputed forwa
 activation checkpointing), and torch.cuda.max_memory_allocated over engine build + steps.
 The engine, loss and activation checkpointing are the run's (`rsclip_ds.trainer.Trainer(run,
 model=..., loader=...).build()`: the model is `rsclip_ds.model.preset_bundle` with the preset's
-own vocabulary, built whole on the device (see run_case for why also under ZeRO-3); the loader
-is the one synthetic batch in device memory, which every step reuses); the step is
+own vocabulary, built whole on the device (see run_case for why also under ZeRO-3)); the step is
 rsclip_ds.train.train_step with the SigLIP loss (one rank: local = global).
+
+The batches: --data tensor, one synthetic batch in device memory that every step reuses (the
+model's time alone); --data loader, the Trainer's own loader (`Trainer(run, model=...)` without
+`loader=`: build_train_loader with --loader-workers DataLoader workers, pinned memory) reading
+--data-images make-synthetic scenes of --data-px px (JPEG q90; 256: Git-10M's tiles) written
+once per command, with a tokenizer trained on their captions (ids below the preset's
+vocabulary). A loader case also records the time the step loop waited in next(batch) and the CPU
+seconds of the loader's workers: samples per worker-CPU-second on the GPU host's cores. The
+report pairs each loader case with its tensor twin: loader / tensor samples/s is 1.0 when the
+data path keeps up.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 from harness import base_parser, environment, process_group, run_script, write_report
 
@@ -46,14 +63,68 @@ class Case:
     profile: str
     checkpointing: bool
     micro: int
+    data: str = "tensor"        # tensor: one batch in device memory; loader: the real loader
 
     @property
     def name(self) -> str:
-        return f"{self.preset}/{self.profile}/{'ac' if self.checkpointing else 'no-ac'}/micro{self.micro}"
+        name = f"{self.preset}/{self.profile}/{'ac' if self.checkpointing else 'no-ac'}/micro{self.micro}"
+        return name if self.data == "tensor" else f"{name}/{self.data}"
 
 
-def cases(models: list[str], profiles: list[str], ac: list[bool], micro: int | None) -> list[Case]:
-    return [Case(m, p, a, micro or MICRO.get(m, 8)) for m in models for p in profiles for a in ac]
+def cases(models: list[str], profiles: list[str], ac: list[bool], micro: int | None,
+          data: list[str] = ("tensor",)) -> list[Case]:
+    """Every combination; a loader case right after its tensor twin (the same machine state)."""
+    return [Case(m, p, a, micro or MICRO.get(m, 8), d) for m in models for p in profiles for a in ac for d in data]
+
+
+# --------------------------------------------------------------------------- data for --data loader
+
+def write_loader_data(root: Path, *, images: int, px: int, shard_size: int = 64) -> dict:
+    """make-synthetic shards of `images` px-sized JPEG scenes and a tokenizer trained on their
+    captions (500 tokens: ids fit every preset's vocabulary) -> {"train_pattern", "tokenizer"}."""
+    from rsclip_ds.data.synthetic import make_synthetic
+    from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
+
+    index = make_synthetic(root, num_train=images, num_val=1, shard_size=shard_size, image_size=px, seed=0,
+                           progress=False)
+    urls = [str(root / s["url"]) for s in index["train"]]
+    train_tokenizer(iter_captions(urls), root / "tokenizer", vocab_size=500, max_length=64)
+    return {"train_pattern": index["train_pattern"], "tokenizer": str(root / "tokenizer")}
+
+
+def timed_steps(step: Callable[[dict], object], batches: Iterator[dict], *, warmup: int, seconds: float,
+                max_steps: int, sync: Callable[[], None]) -> dict:
+    """`warmup` untimed steps, then steps for `seconds` (at least one, at most `max_steps`) between
+    two device syncs. data_wait_s: time spent in next(batches) within the timed span (a loader
+    that keeps up answers at once: its workers prepared the batch while the GPU ran)."""
+    losses = [float(step(next(batches))) for _ in range(warmup)]
+    sync()
+    steps, waited, t0 = 0, 0.0, time.perf_counter()
+    while steps < max_steps and (steps == 0 or time.perf_counter() - t0 < seconds):
+        w0 = time.perf_counter()
+        batch = next(batches)
+        waited += time.perf_counter() - w0
+        loss = step(batch)
+        steps += 1
+    sync()
+    elapsed = time.perf_counter() - t0
+    losses.append(float(loss))
+    return {"timed_steps": steps, "elapsed_s": elapsed, "data_wait_s": waited, "first_loss": losses[0],
+            "final_loss": losses[-1]}
+
+
+def _children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's children (the DataLoader workers)."""
+    import psutil
+
+    total = 0.0
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 
 # --------------------------------------------------------------------------- one case (worker)
@@ -75,28 +146,34 @@ def run_case(case: Case, args) -> dict:
     from rsclip_ds.config import load_config
     from rsclip_ds.engine import engine_dtype
     from rsclip_ds.flops import flops_per_sample
-    from rsclip_ds.model import preset_bundle
+    from rsclip_ds.model import load_tokenizer, preset_bundle
     from rsclip_ds.train import train_step
     from rsclip_ds.trainer import Trainer
 
+    loader_mode = case.data == "loader"
     with process_group(args.threads) as info, tempfile.TemporaryDirectory() as out_dir:
         acc = get_accelerator()
         device = torch.device(acc.device_name(info.local_rank) if info.on_gpu else "cpu")
-        run = load_config(None, [f"precision={args.precision}", f"batch.micro_batch_size={case.micro}",
-                                 "steps=1000", "optim.warmup_steps=10", f"profile={case.profile}",
-                                 f"model.preset={case.preset}", f"model.activation_checkpointing={case.checkpointing}",
-                                 f"output_dir={out_dir}", "checkpoint.at_end=false"])
+        overrides = [f"precision={args.precision}", f"batch.micro_batch_size={case.micro}",
+                     "steps=1000", "optim.warmup_steps=10", f"profile={case.profile}",
+                     f"model.preset={case.preset}", f"model.activation_checkpointing={case.checkpointing}",
+                     f"output_dir={out_dir}", "checkpoint.at_end=false"]
+        if loader_mode:
+            overrides += [f"data.train_shards={args.shards}", f"data.num_workers={args.loader_workers}"]
+        run = load_config(None, overrides)
         if info.on_gpu:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         # Built whole, on the device (-large: seconds on a GPU, a minute on the CPU), for every
         # profile: on one rank deepspeed.zero.Init (a ZeRO-3 run's build) has nothing to
         # partition, and it draws the seeded initial weights in another order, so ZeRO-3 rows
-        # would start from another model than ZeRO-2 rows. No tokenizer: the batch carries token
-        # ids, and nothing Trainer.build runs here reads one (our loader, no evaluation, no
-        # checkpoint saved: write_hf_extras would need it).
+        # would start from another model than ZeRO-2 rows. The tensor batch carries token ids
+        # and needs no tokenizer (nothing Trainer.build runs here reads one: our loader, no
+        # evaluation, no checkpoint saved); the loader tokenises with the one written beside the
+        # shards (ids below the preset's vocabulary, which the model keeps).
+        tokenizer = load_tokenizer(Path(args.tokenizer)) if loader_mode else None
         with torch.device(device):
-            bundle = preset_bundle(case.preset, None, run.seed, own_vocabulary=True)
+            bundle = preset_bundle(case.preset, tokenizer, run.seed, own_vocabulary=True)
         v, t = bundle.model.config.vision_config, bundle.model.config.text_config
         g = torch.Generator(device=device).manual_seed(info.rank)
         pixel_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.precision]   # the engine's: no cast per step
@@ -104,38 +181,61 @@ def run_case(case: Case, args) -> dict:
                                              generator=g).to(pixel_dtype),                      # (B,3,H,W)
                  "input_ids": torch.randint(0, t.vocab_size, (case.micro, t.max_position_embeddings),
                                             device=device, generator=g)}                        # (B,L)
-        with Trainer(run, model=bundle, loader=[batch]) as trainer:
+        with Trainer(run, model=bundle, loader=None if loader_mode else [batch]) as trainer:
             parts = trainer.build()
             engine, loss_fn, config = parts.engine, parts.loss_fn, bundle.model.config
             build_s = time.perf_counter() - t0
             dtype = engine_dtype(engine)
-            [batch] = parts.loader   # every step trains on it: the time is the model's, not a loader's
-            losses = [float(train_step(engine, batch, loss_fn, dtype)) for _ in range(args.warmup)]
-            acc.synchronize()
-            steps, t0 = 0, time.perf_counter()
-            while steps < args.max_steps and (steps == 0 or time.perf_counter() - t0 < args.seconds):
-                loss = train_step(engine, batch, loss_fn, dtype)
-                steps += 1
-            acc.synchronize()
-            elapsed = time.perf_counter() - t0
-            losses.append(float(loss))
+            if loader_mode:   # the run's loader: worker processes, shards, decode, pinned batches
+                batches = iter(parts.loader)
+            else:             # every step trains on the one batch: the time is the model's, not a loader's
+                [batch] = parts.loader
+                batches = itertools.repeat(batch)
+            cpu0 = _children_cpu_seconds()
+            timing = timed_steps(lambda b: train_step(engine, b, loss_fn, dtype), batches, warmup=args.warmup,
+                                 seconds=args.seconds, max_steps=args.max_steps, sync=acc.synchronize)
+            loader_cpu_s = _children_cpu_seconds() - cpu0   # warm-up included: the workers start there
             params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in bundle.model.parameters())
+            del batches
+    steps, elapsed = timing["timed_steps"], timing["elapsed_s"]
     samples_per_s = steps * case.micro * info.world_size / elapsed
     flops = flops_per_sample(config)
     name = torch.cuda.get_device_name(device) if info.on_gpu else "cpu"   # e.g. 'NVIDIA H200'
     peak = peak_flops(name, args.peak_tflops)
-    return {"case": case.name, **asdict(case), "precision": args.precision, "ok": True,
-            "device": name, "world_size": info.world_size, "parameters": params,
-            "activation_checkpointing": parts.activation_checkpointing,
-            "build_s": build_s, "timed_steps": steps, "elapsed_s": elapsed,
-            "samples_per_s": samples_per_s, "step_ms": 1e3 * elapsed / steps,
-            "flops_per_sample": flops.to_dict(),
-            "achieved_tflops": flops.train() * samples_per_s / 1e12,
-            "peak_tflops": peak / 1e12 if peak else None,
-            "mfu": flops.train() * samples_per_s / peak if peak else None,
-            "hfu": flops.train(case.checkpointing, hardware=True) * samples_per_s / peak if peak else None,
-            "peak_memory_bytes": torch.cuda.max_memory_allocated() if info.on_gpu else None,
-            "first_loss": losses[0], "final_loss": losses[-1]}
+    row = {"case": case.name, **asdict(case), "precision": args.precision, "ok": True,
+           "device": name, "world_size": info.world_size, "parameters": params,
+           "activation_checkpointing": parts.activation_checkpointing,
+           "build_s": build_s, **timing, "data_wait_fraction": timing["data_wait_s"] / elapsed,
+           "samples_per_s": samples_per_s, "step_ms": 1e3 * elapsed / steps,
+           "flops_per_sample": flops.to_dict(),
+           "achieved_tflops": flops.train() * samples_per_s / 1e12,
+           "peak_tflops": peak / 1e12 if peak else None,
+           "mfu": flops.train() * samples_per_s / peak if peak else None,
+           "hfu": flops.train(case.checkpointing, hardware=True) * samples_per_s / peak if peak else None,
+           "peak_memory_bytes": torch.cuda.max_memory_allocated() if info.on_gpu else None}
+    if loader_mode:
+        fed = (args.warmup + steps) * case.micro   # the workers' CPU covers the warm-up batches too
+        row.update(loader_workers=args.loader_workers, loader_cpu_s=loader_cpu_s,
+                   loader_samples_per_cpu_s=fed / loader_cpu_s if loader_cpu_s else None,
+                   data_images=args.data_images, data_px=args.data_px)
+    return row
+
+
+def pair_with_tensor(rows: list[dict]) -> list[dict]:
+    """Each ok loader row with its ok tensor twin (same preset, profile, checkpointing, micro):
+    loader / tensor samples/s (1.0: the data path keeps up) and the loader's data wait."""
+    tensor = {(r["preset"], r["profile"], r["checkpointing"], r["micro"]): r for r in rows
+              if r.get("ok") and r.get("data", "tensor") == "tensor"}
+    pairs = []
+    for r in rows:
+        twin = tensor.get((r["preset"], r["profile"], r["checkpointing"], r["micro"]))
+        if r.get("ok") and r.get("data") == "loader" and twin:
+            pairs.append({"case": twin["case"], "tensor_samples_per_s": twin["samples_per_s"],
+                          "loader_samples_per_s": r["samples_per_s"],
+                          "loader_over_tensor": r["samples_per_s"] / twin["samples_per_s"],
+                          "data_wait_fraction": r["data_wait_fraction"], "loader_workers": r["loader_workers"],
+                          "loader_samples_per_cpu_s": r["loader_samples_per_cpu_s"]})
+    return pairs
 
 
 # --------------------------------------------------------------------------- driver
@@ -147,7 +247,10 @@ def run_in_process(case: Case, args, timeout: float) -> dict:
         cli = ["--worker", "--out", str(result), "--model", case.preset, "--profiles", case.profile,
                "--ac", "on" if case.checkpointing else "off", "--micro", str(case.micro),
                "--precision", args.precision, "--warmup", str(args.warmup), "--seconds", str(args.seconds),
-               "--max-steps", str(args.max_steps), "--threads", str(args.threads)]
+               "--max-steps", str(args.max_steps), "--threads", str(args.threads), "--data", case.data]
+        if case.data == "loader":
+            cli += ["--shards", args.shards, "--tokenizer", args.tokenizer, "--loader-workers", str(args.loader_workers),
+                    "--data-images", str(args.data_images), "--data-px", str(args.data_px)]
         if args.peak_tflops:
             cli += ["--peak-tflops", str(args.peak_tflops)]
         t0 = time.perf_counter()
@@ -171,8 +274,21 @@ def print_table(report: dict) -> None:
         pct = (lambda x: f"{100 * x:.1f}%" if x is not None else "-")
         mem = r["peak_memory_bytes"]
         table.add_row(r["case"], f"{r['samples_per_s']:.1f}", f"{r['step_ms']:.1f}", f"{r['achieved_tflops']:.2f}",
-                      pct(r["mfu"]), pct(r["hfu"]), f"{mem / 2**30:.1f}" if mem else "-", "")
-    Console(width=160).print(table)
+                      pct(r["mfu"]), pct(r["hfu"]), f"{mem / 2**30:.1f}" if mem else "-",
+                      f"data wait {100 * r['data_wait_fraction']:.0f}%" if r.get("data") == "loader" else "")
+    console = Console(width=160)
+    console.print(table)
+    if report.get("loader_vs_tensor"):
+        pairs = Table(title="the data path: the real loader against a batch in device memory")
+        for col in ("case", "tensor samples/s", "loader samples/s", "loader / tensor", "data wait", "workers",
+                    "samples per worker-CPU-s"):
+            pairs.add_column(col, justify="right")
+        for p in report["loader_vs_tensor"]:
+            rate = p["loader_samples_per_cpu_s"]
+            pairs.add_row(p["case"], f"{p['tensor_samples_per_s']:.1f}", f"{p['loader_samples_per_s']:.1f}",
+                          f"{p['loader_over_tensor']:.3f}", f"{100 * p['data_wait_fraction']:.1f}%",
+                          str(p["loader_workers"]), f"{rate:.0f}" if rate else "-")
+        console.print(pairs)
 
 
 def parse_args(argv):
@@ -192,17 +308,39 @@ def parse_args(argv):
     parser.add_argument("--total-budget", type=float, default=450.0,
                         help="seconds for all cases; cases that would start after it are skipped")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU if not in PEAK_BF16_TFLOPS")
+    parser.add_argument("--data", nargs="*", default=["tensor"], choices=["tensor", "loader"],
+                        help="batches: one in device memory (tensor) and/or the real loader from JPEG shards")
+    parser.add_argument("--loader-workers", type=int, default=8, help="data.num_workers of the loader cases")
+    parser.add_argument("--data-images", type=int, default=2048, help="synthetic JPEGs the loader cases read")
+    parser.add_argument("--data-px", type=int, default=256, help="their side in px (256: Git-10M's tiles)")
+    parser.add_argument("--shards", help=argparse.SUPPRESS)
+    parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    todo = cases(args.model, args.profiles, [a == "on" for a in args.ac], args.micro)
+    todo = cases(args.model, args.profiles, [a == "on" for a in args.ac], args.micro, args.data)
     if args.worker:
         row = run_case(todo[0], args)
         args.out.write_text(json.dumps(row))
         return 0
+    with tempfile.TemporaryDirectory() as data_dir:
+        if "loader" in args.data:   # written once: every loader case reads the same shards
+            t0 = time.perf_counter()
+            data = write_loader_data(Path(data_dir), images=args.data_images, px=args.data_px)
+            args.shards, args.tokenizer = data["train_pattern"], data["tokenizer"]
+            print(f"loader data: {args.data_images} x {args.data_px} px JPEG in {time.perf_counter() - t0:.0f}s",
+                  flush=True)
+        report = run_cases(todo, args)
+    write_report(report, args.out, print_table)
+    print(f"wrote {args.out} in {report['seconds']:.0f}s")
+    return 0 if all(r["ok"] for r in report["cases"]) else 1
+
+
+def run_cases(todo: list[Case], args) -> dict:
+    """Each case in its own process, within --total-budget; -> the report."""
     import torch
 
     t0 = time.perf_counter()
@@ -218,13 +356,12 @@ def main(argv=None) -> int:
         status = f"{row['samples_per_s']:.1f} samples/s" if row["ok"] else row["error"]
         print(f"[{i + 1}/{len(todo)}] {case.name}: {status} ({time.perf_counter() - t0:.0f}s)", flush=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    report = {"config": {"models": args.model, "profiles": args.profiles, "ac": args.ac, "precision": args.precision,
-                         "warmup": args.warmup, "seconds": args.seconds, "max_steps": args.max_steps},
-              "environment": environment(args.threads, device=device), "cases": rows,
-              "seconds": time.perf_counter() - t0}
-    write_report(report, args.out, print_table)
-    print(f"wrote {args.out} in {report['seconds']:.0f}s")
-    return 0 if all(r["ok"] for r in rows) else 1
+    return {"config": {"models": args.model, "profiles": args.profiles, "ac": args.ac, "precision": args.precision,
+                       "warmup": args.warmup, "seconds": args.seconds, "max_steps": args.max_steps,
+                       "data": args.data, "loader_workers": args.loader_workers, "data_images": args.data_images,
+                       "data_px": args.data_px},
+            "environment": environment(args.threads, device=device), "cases": rows,
+            "loader_vs_tensor": pair_with_tensor(rows), "seconds": time.perf_counter() - t0}
 
 
 if __name__ == "__main__":

@@ -4,39 +4,117 @@
 decode, optional augmentation (random resized crop, flips, 90 degree rotations), a bicubic
 squash to S x S -- what `SiglipImageProcessor` does (resize to S x S, bicubic, in PIL), so a
 published SigLIP checkpoint sees the pixels it was trained on. Evaluation is this transform with
-augmentation off. Training also decodes large JPEGs at a reduced DCT scale (``draft``: ~2x faster
-decoding, taken only when the image is at least twice the size needed); that changes pixels
-slightly against a full decode (docs/data.md gives the measured size), and
-``data.jpeg_draft=false`` turns it off, making training pixels bit-identical to evaluation's
-(tests/unit/test_transforms.py). Pixels leave as uint8, for both: the model normalises them on
-the device (model.normalize_pixels); ``Normalize`` is its numpy reference twin.
+augmentation off. Training takes a faster path (``fast``, on with ``data.jpeg_draft``): JPEGs at
+least twice the size needed decode at a reduced DCT scale (PIL's draft rule; ~2x faster for
+AID-sized tiles, pixels change slightly against a full decode), colour JPEGs decode through
+simplejpeg (bit for bit PIL's decode), and the squash is torch's uint8 antialiased bicubic
+(~7x faster than PIL's, within 2 grey levels of it). docs/data.md ("JPEG decoding") gives the
+measured differences and speeds; ``data.jpeg_draft=false`` takes PIL's path, making training
+pixels bit-identical to evaluation's (tests/unit/test_transforms.py). Pixels leave as uint8, for
+both: the model normalises them on the device (model.normalize_pixels); ``Normalize`` is its
+numpy reference twin.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
+
+try:   # a dependency (setup.cfg); without it JPEGs decode through PIL: same pixels, slower
+    import simplejpeg as _simplejpeg
+except ImportError:
+    _simplejpeg = None
 
 from rsclip_ds.config import DataConfig
 from rsclip_ds.data.bad import StreamCounter
 
+log = logging.getLogger("rsclip_ds.data")
+
+JPEG_SOI = b"\xff\xd8\xff"
+
+
+def draft_scale(width: int, height: int, need: int) -> int:
+    """PIL's ``Image.draft`` rule: the largest s in (8, 4, 2, 1) with both sides >= s * need."""
+    fits = min(width // need, height // need)
+    return next((s for s in (8, 4, 2) if fits >= s), 1)
+
+
+def decode_jpeg_fast(data: bytes, need: int) -> np.ndarray | None:
+    """A colour JPEG -> uint8 (H, W, 3) with simplejpeg (libjpeg-turbo, the same decoder PIL
+    wraps, without PIL's per-image Python and its RGBX copy): bit for bit PIL's decode at PIL's
+    draft scale for ``need``. None where PIL should decide: simplejpeg missing, not a JPEG, grey
+    or CMYK, a header or stream simplejpeg rejects (TurboJPEG refuses some odd subsamplings and,
+    strict, the recoverable errors PIL decodes through; PIL then decodes or raises as before, so
+    what counts as a corrupt image does not change)."""
+    if _simplejpeg is None or not data.startswith(JPEG_SOI):
+        return None
+    try:
+        height, width, colorspace, _ = _simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return None
+    if colorspace not in ("YCbCr", "RGB"):   # grey, CMYK/YCCK: PIL (its CMYK inversion, its L)
+        return None
+    if Image.MAX_IMAGE_PIXELS and width * height > 2 * Image.MAX_IMAGE_PIXELS:   # as Image.open
+        raise Image.DecompressionBombError(f"Image size ({width * height} pixels) exceeds limit of "
+                                           f"{2 * Image.MAX_IMAGE_PIXELS} pixels, could be decompression bomb DOS attack.")
+    s = draft_scale(width, height, need)
+    try:   # min_factor=s and the 1/s size: simplejpeg takes exactly 1/s, as PIL's draft does
+        return _simplejpeg.decode_jpeg(data, "RGB", min_height=-(-height // s), min_width=-(-width // s),
+                                       min_factor=s)
+    except ValueError:
+        return None
+
+
+def resize_bicubic_fast(pixels: np.ndarray, size: int) -> np.ndarray:
+    """uint8 (H, W, 3) -> uint8 (size, size, 3): torch's antialiased bicubic on uint8 (the AVX2
+    kernel torchvision's Resize uses; ~7x faster than Pillow 13's on this CPU), within
+    RESIZE_TOLERANCE of PIL's bicubic: the same filter (a = -0.5, support scaled when
+    shrinking), integer weights of another precision, and always the horizontal pass first,
+    where Pillow 13 runs the vertical pass first for some portrait images (H > W) that shrink
+    (each pass rounds and clips to uint8, so the order shows on sharp edges). The output is
+    written channels-last, so the (S, S, 3) array is contiguous without a transpose
+    (F.interpolate returns NCHW, and the copy back costs as much as the resize): hence the
+    aten op with ``out=`` (tested equal to F.interpolate in tests/unit/test_transforms.py)."""
+    if not pixels.flags.writeable:   # torch.from_numpy warns on read-only arrays (np.asarray(PIL))
+        pixels = pixels.copy()
+    src = torch.from_numpy(pixels).permute(2, 0, 1)[None]                          # (1, 3, H, W)
+    out = torch.empty((1, size, size, 3), dtype=torch.uint8)                      # (1, S, S, 3)
+    torch.ops.aten._upsample_bicubic2d_aa.out(src, [size, size], False, None, None, out=out.permute(0, 3, 1, 2))
+    return out[0].numpy()
+
+
+# Grey levels (0-255) between resize_bicubic_fast and PIL's bicubic of the same pixels, measured on
+# synthetic scenes and uniform noise (the worst case), shrinking and enlarging; held by
+# tests/unit/test_transforms.py. "portrait": H > W, where Pillow may run the passes the other way
+# (synthetic scenes: max 8-10, mean 0.15-0.18; 0.03% of values off by more than 2).
+RESIZE_TOLERANCE = {"max": 2, "mean": 0.02}
+RESIZE_TOLERANCE_PORTRAIT = {"max": 24, "mean": 0.5}
+
 
 @dataclass(frozen=True)
 class ImageTransform:
-    """Encoded image -> uint8 (S, S, 3) pixels; ``rng`` draws the augmentation (unused when off)."""
+    """Encoded image -> uint8 (S, S, 3) pixels; ``rng`` draws the augmentation (unused when off).
+
+    ``fast`` (training, ``data.jpeg_draft``): JPEGs are decoded at PIL's draft scale (by
+    simplejpeg where installed: same pixels as PIL's draft, faster) and the squash is torch's
+    uint8 bicubic (within RESIZE_TOLERANCE of PIL's). Off (evaluation): PIL's full decode and
+    bicubic, the pixels of transformers' SigLIP processor. A random resized crop takes PIL's
+    path either way (its box resize reads pixels around the box), with the draft scale when fast."""
 
     size: int
     crop: tuple[float, float] | None = None    # random resized crop, area fraction range
     hflip: bool = False
     vflip: bool = False
     rot90: bool = False
-    draft: bool = False                          # JPEG: decode at 1/2^k scale when large enough
+    fast: bool = False                          # draft-scale JPEG decode, torch resize
 
     @classmethod
     def from_config(cls, size: int, cfg: DataConfig | None = None) -> "ImageTransform":
@@ -44,19 +122,51 @@ class ImageTransform:
         (no augmentation, full decode: as transformers' SigLIP image processor)."""
         if cfg is None:
             return cls(size)
+        if cfg.jpeg_draft and _simplejpeg is None:
+            log.warning("simplejpeg is not installed (a dependency of rsclip_ds): training decodes JPEGs with "
+                        "PIL, same pixels, 1.3-2x the time per image (benchmarks/decode.py). "
+                        "pip install 'simplejpeg>=1.9.0,<1.10'")
         return cls(size, crop=cfg.random_resized_crop, hflip=cfg.hflip, vflip=cfg.vflip, rot90=cfg.rot90,
-                   draft=cfg.jpeg_draft)
+                   fast=cfg.jpeg_draft)
 
     def __call__(self, source: bytes | str | Path, rng: random.Random | None = None) -> np.ndarray:
         rng = rng or random.Random(0)
         data = source if isinstance(source, bytes) else Path(source).read_bytes()
+        if self.fast and self.crop is None:
+            pixels = self._fast(data)
+        else:
+            pixels = self._pil(data, rng)
+        if self.hflip and rng.random() < 0.5:
+            pixels = pixels[:, ::-1]                 # PIL's FLIP_LEFT_RIGHT
+        if self.vflip and rng.random() < 0.5:
+            pixels = pixels[::-1]                    # FLIP_TOP_BOTTOM
+        if self.rot90:
+            turn = rng.randrange(4)
+            pixels = np.rot90(pixels, turn)          # counter-clockwise: PIL's ROTATE_90/180/270
+        return np.ascontiguousarray(pixels)          # (S, S, 3)
+
+    def _fast(self, data: bytes) -> np.ndarray:
+        pixels = decode_jpeg_fast(data, self.size)
+        if pixels is None:
+            pixels = np.array(self._open(data, draft=True))     # writable: torch.from_numpy takes it
+        if pixels.shape[:2] != (self.size, self.size):
+            pixels = resize_bicubic_fast(pixels, self.size)
+        return pixels
+
+    def _open(self, data: bytes, draft: bool, need: int | None = None) -> Image.Image:
+        """PIL's decode to RGB; draft: at the smallest 1/2^k JPEG scale still >= ``need``."""
         img = Image.open(io.BytesIO(data))
-        if self.draft:   # JPEG: decode at the smallest 1/2^k scale still >= what the crop needs
-            need = self.size if self.crop is None else int(np.ceil(self.size / np.sqrt(self.crop[0])))
-            img.draft("RGB", (need, need))
+        if draft:
+            img.draft("RGB", (need or self.size,) * 2)
         img.load()                 # decodes: a corrupt file raises here
         if img.mode != "RGB":      # (JPEG drafts decode straight to RGB: no copy then)
             img = img.convert("RGB")
+        return img
+
+    def _pil(self, data: bytes, rng: random.Random) -> np.ndarray:
+        """PIL end to end: decode (draft when fast), random crop box, bicubic squash."""
+        need = self.size if self.crop is None else int(np.ceil(self.size / np.sqrt(self.crop[0])))
+        img = self._open(data, self.fast, need)
         box = None
         if self.crop is not None:
             w, h = img.size
@@ -68,16 +178,7 @@ class ImageTransform:
             box = (x0, y0, x0 + cw, y0 + ch)
         if box is not None or img.size != (self.size, self.size):
             img = img.resize((self.size, self.size), Image.Resampling.BICUBIC, box=box)  # squash
-        if self.hflip and rng.random() < 0.5:
-            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        if self.vflip and rng.random() < 0.5:
-            img = img.transpose(Image.Transpose.FLIP_TOP_BOTTOM)
-        if self.rot90:
-            turn = rng.randrange(4)
-            if turn:
-                img = img.transpose([Image.Transpose.ROTATE_90, Image.Transpose.ROTATE_180,
-                                     Image.Transpose.ROTATE_270][turn - 1])
-        return np.asarray(img, dtype=np.uint8)   # (S, S, 3)
+        return np.asarray(img, dtype=np.uint8)
 
 
 class Normalize:

@@ -63,3 +63,25 @@ def test_flops_per_sample_match_torch_flop_counter(report):
         model(torch.randn(1, 3, v.image_size, v.image_size), torch.zeros(1, t.max_position_embeddings, dtype=torch.long))
     for r in report["cases"]:
         assert r["flops_per_sample"]["forward"] == counter.get_total_flops(), r["flops_per_sample"]
+
+
+@pytest.fixture(scope="module")
+def loader_report(tmp_path_factory) -> dict:
+    """The data-path mode: a tensor case and its loader twin reading 64 JPEGs through one worker."""
+    tmp = tmp_path_factory.mktemp("gpu_loader")
+    return run_benchmark("gpu.py", "--model", "tiny", "--profiles", "zero2", "--ac", "off", "--data", "tensor", "loader",
+                         "--data-images", "64", "--data-px", "64", "--loader-workers", "1", "--warmup", "1",
+                         "--seconds", "0.5", "--max-steps", "2", out=tmp / "gpu_tiny_loader.json", ranks=None,
+                         timeout=400)
+
+
+def test_the_loader_case_trains_from_shards_beside_its_tensor_twin(loader_report):
+    tensor, loader = loader_report["cases"]
+    assert (tensor["data"], loader["data"]) == ("tensor", "loader")
+    assert tensor["ok"] and loader["ok"], loader
+    assert loader["case"] == tensor["case"] + "/loader"
+    assert 1 <= loader["timed_steps"] <= 2 and math.isfinite(loader["final_loss"])
+    assert 0 <= loader["data_wait_fraction"] <= 1
+    assert loader["loader_workers"] == 1 and loader["loader_cpu_s"] > 0   # a worker process decoded
+    [pair] = loader_report["loader_vs_tensor"]
+    assert pair["loader_over_tensor"] == pytest.approx(loader["samples_per_s"] / tensor["samples_per_s"])

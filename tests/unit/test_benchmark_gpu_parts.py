@@ -1,0 +1,70 @@
+"""The CPU-testable parts of benchmarks/gpu.py's data-path mode, without an engine: the step
+timer (warm-up, bounds, the time spent waiting for batches), the case list (a loader case beside
+its tensor twin) and the pairing that gives loader / tensor samples/s. The whole script runs on
+CPU in tests/integration/test_benchmark_gpu.py."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    sys.path.insert(0, str(BENCHMARKS))   # the scripts import `harness` as their sibling
+    try:
+        yield importlib.import_module("gpu")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def _slow_batches(delay: float):
+    i = 0
+    while True:
+        time.sleep(delay)
+        i += 1
+        yield {"i": i}
+
+
+def test_timed_steps_counts_steps_and_the_wait_for_batches(gpu):
+    seen, syncs = [], []
+    timing = gpu.timed_steps(lambda b: (seen.append(b["i"]), float(b["i"]))[1], _slow_batches(0.02),
+                             warmup=2, seconds=10.0, max_steps=5, sync=lambda: syncs.append(len(seen)))
+    assert seen == [1, 2, 3, 4, 5, 6, 7]                    # 2 warm-up + 5 timed (max_steps bounds it)
+    assert syncs == [2, 7]                                  # a device sync after the warm-up and at the end
+    assert timing["timed_steps"] == 5 and timing["first_loss"] == 1.0 and timing["final_loss"] == 7.0
+    assert 5 * 0.02 <= timing["data_wait_s"] <= timing["elapsed_s"]
+    assert timing["data_wait_s"] / timing["elapsed_s"] > 0.8   # the step is free: the loop waits for data
+
+
+def test_timed_steps_stops_after_seconds_but_takes_one_step(gpu):
+    timing = gpu.timed_steps(lambda b: 0.0, _slow_batches(0.0), warmup=0, seconds=0.0, max_steps=100,
+                             sync=lambda: None)
+    assert timing["timed_steps"] == 1
+
+
+def test_a_loader_case_follows_its_tensor_twin(gpu):
+    todo = gpu.cases(["git-rsclip-base"], ["zero2"], [False], None, ["tensor", "loader"])
+    assert [c.data for c in todo] == ["tensor", "loader"]
+    assert todo[0].name == "git-rsclip-base/zero2/no-ac/micro256"
+    assert todo[1].name == "git-rsclip-base/zero2/no-ac/micro256/loader"
+    assert gpu.cases(["tiny"], ["zero2"], [True], None)[0].data == "tensor"   # the default is unchanged
+
+
+def test_loader_rows_pair_with_their_tensor_twin(gpu):
+    base = {"preset": "git-rsclip-base", "profile": "zero2", "checkpointing": False, "micro": 256, "ok": True}
+    rows = [{**base, "case": "t", "data": "tensor", "samples_per_s": 2000.0},
+            {**base, "case": "l", "data": "loader", "samples_per_s": 1500.0, "data_wait_fraction": 0.25,
+             "loader_workers": 8, "loader_samples_per_cpu_s": 900.0},
+            {**base, "profile": "zero3", "case": "l3", "data": "loader", "samples_per_s": 1.0,
+             "data_wait_fraction": 0.0, "loader_workers": 8, "loader_samples_per_cpu_s": 1.0},   # no twin
+            {**base, "micro": 8, "case": "f", "data": "loader", "ok": False}]
+    [pair] = gpu.pair_with_tensor(rows)
+    assert pair["loader_over_tensor"] == pytest.approx(0.75)
+    assert (pair["case"], pair["data_wait_fraction"], pair["loader_samples_per_cpu_s"]) == ("t", 0.25, 900.0)
