@@ -108,10 +108,11 @@ class DataConfig(_Strict):
     vflip: bool = Field(False, description="Augmentation: random top-bottom flip (same caveat as hflip).")
     rot90: bool = Field(False, description="Augmentation: random rotation by 0/90/180/270 degrees (overhead "
                         "imagery has no up; same caveat for captions with positions).")
-    jpeg_draft: bool = Field(True, description="Decode JPEGs at least twice the needed size at a reduced "
-                             "DCT scale (PIL draft): ~2x faster decoding; pixels differ slightly from a full "
-                             "decode (evaluation always decodes fully, as transformers does). false: training "
-                             "pixels equal evaluation's.")
+    jpeg_draft: bool = Field(True, description="The fast training decode: colour JPEGs through simplejpeg, at a "
+                             "reduced DCT scale when at least twice the needed size, squashed with torch's uint8 "
+                             "bicubic (3-4x a PIL decode + resize per core; pixels within 2 grey levels of PIL's "
+                             "resize, more where the DCT scale is taken: docs/data.md). Evaluation always decodes "
+                             "and resizes with PIL, as transformers does. false: training pixels equal evaluation's.")
     max_bad_fraction: float = Field(
         0.05, ge=0, le=1, description="Stop with an error when more than this fraction of the samples (or of "
         "the shards) a rank has read were unreadable. 1 never stops.")
