@@ -63,13 +63,22 @@ a fresh engine with K micro-batches per optimizer step; the peak over its second
 against `memory.peak(...)` (allocated on a GPU, `.host` on CPU ranks), within 15%. How it is
 measured on CPU ranks (the resident set's high-water mark, glibc tuned): benchmarks/memory_peak.py.
 
-    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 benchmarks/memory.py --preset git-rsclip-base --micro 2 \
-        --steps 1 --accumulation 1 4 --out benchmarks/results/memory_peak_base.json
+    for p in zero1 zero2 zero2_offload zero3 zero3_offload; do
+      DS_ACCELERATOR=cpu deepspeed --num_gpus 2 benchmarks/memory.py --preset git-rsclip-base --micro 2 \
+        --steps 1 --accumulation 1 4 --profiles $p --out benchmarks/results/memory_peak_base_$p.json
+    done
+    python benchmarks/memory.py --combine benchmarks/results/memory_peak_base_*.json \
+        --out benchmarks/results/memory_peak_base.json
+
+One launch per profile: engines built one after another in a process do not give all of their
+memory back (the 203M model's builds left ~1 GiB each behind here), so a launch that runs every
+profile at this size outgrows a 24 GiB machine and mixes one profile's leftovers into the next.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import statistics
 import sys
@@ -300,7 +309,10 @@ def plot(report: dict, path: Path) -> str | None:
     rows = report["profiles"]
     names = [r["profile"] for r in rows]
     x = range(len(rows))
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    ks = sorted({p["accumulation"] for r in rows for p in r["peaks"]})
+    fig, axes = plt.subplots(1, 3 + bool(ks), figsize=(16 + 6 * bool(ks), 5))
+    if ks:
+        plot_peaks(axes[3], rows, ks)
     for ax, key, title in zip(axes, ("gpu", "offload", "activations"),
                               ("model states on the accelerator, per rank", "offloaded model states, per rank",
                                "saved activations, one micro-batch")):
@@ -321,6 +333,36 @@ def plot(report: dict, path: Path) -> str | None:
     return save_figure(plt, fig, path)
 
 
+def plot_peaks(ax, rows: list[dict], ks: list[int]) -> None:
+    """Predicted and measured peak per rank, one pair of bars per (profile, accumulation)."""
+    width = 0.8 / (2 * len(ks))
+    for j, k in enumerate(ks):
+        peaks = [next(p for p in r["peaks"] if p["accumulation"] == k) for r in rows]
+        at = [i - 0.4 + width * (2 * j + 0.5) for i in range(len(rows))]
+        ax.bar(at, [p["predicted"] / 2**30 for p in peaks], width, label=f"predicted, accumulation {k}")
+        ax.bar([a + width for a in at], [p["measured"] / 2**30 for p in peaks], width, label=f"measured, accumulation {k}")
+        for a, p in zip(at, peaks):
+            ax.annotate(f"{p['ratio']:.2f}", (a + width, p["measured"] / 2**30), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(rows)), [r["profile"] for r in rows], rotation=20)
+    ax.set(title="peak per rank over an optimizer step", ylabel="GiB")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+
+
+def combine(paths: list[Path], out: Path) -> dict:
+    """Reports of the same preset and settings, one profile each (a fresh launch per profile
+    keeps one profile's leftover memory out of the next one's peak), as one report + PNG."""
+    reports = [json.loads(p.read_text()) for p in paths]
+    keys = ("preset", "precision", "micro", "accumulation")
+    if any({k: r["config"].get(k) for k in keys} != {k: reports[0]["config"].get(k) for k in keys} for r in reports):
+        raise SystemExit(f"--combine: the reports differ in {keys}")
+    report = {**reports[0], "profiles": [row for r in reports for row in r["profiles"]],
+              "seconds": sum(r["seconds"] for r in reports), "combined_from": [str(p) for p in paths]}
+    report["all_pass"] = all(r["all_pass"] for r in reports)
+    finish(report, out, 0, print_table, plot)
+    return report
+
+
 # --------------------------------------------------------------------------- entry point
 
 def parse_args(argv):
@@ -335,6 +377,8 @@ def parse_args(argv):
                         help="also measure each profile's peak over an optimizer step of K micro-batches "
                              "(e.g. 1 4; memory_peak.py) against memory.peak")
     parser.add_argument("--profiles", nargs="*", default=None, help="default: every ds_profiles/*.json")
+    parser.add_argument("--combine", type=Path, nargs="+", metavar="JSON",
+                        help="no measurement: join reports made one profile per launch into --out (+ PNG)")
     parser.add_argument("--set", action="append", default=[], metavar="finetune.KEY=VALUE",
                         help="a fine-tuning control (finetune.* keys only; repeatable), e.g. "
                              "finetune.lock_image=true or 'finetune.lora.towers=[image,text]'")
@@ -382,6 +426,10 @@ COMPARED = {"gpu": "accelerator-role params + grads (before step) + optimizer vs
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.combine:
+        report = combine(args.combine, args.out)
+        print(f"wrote {args.out}; all within target: {report['all_pass']}")
+        return 0
     if args.build_rss or args.build_rss_worker:
         return memory_build.main(args)
     if args.accumulation and not torch.cuda.is_available():
