@@ -59,9 +59,16 @@ def test_zero3_gathers_per_forward_and_reduce_scatters_per_backward():
 
 
 def test_zero3_global_accumulation_gathers_three_times_per_micro_batch():
-    # cached forward, forward, backward re-gather: 9 passes of 900 elements
+    # cached forward, forward, backward re-gather: 9 passes of 900 elements; the 100 persistent
+    # ones once after the step and k-1 = 2 times more with the re-recorded trace
     t = step_traffic(PSI, PSI_T, stage=3, world=G, accumulation=K, persistent=100, accumulation_mode="global")
-    assert totals(t, "size")["all_gather"] == 2 * 900 * 9 + 200
+    assert totals(t, "size")["all_gather"] == 2 * 900 * 9 + 200 + 2 * 200
+    # with 400 elements in checkpointed layers: half of them once more per micro-batch
+    ckpt = step_traffic(PSI, PSI_T, stage=3, world=G, accumulation=K, persistent=100, accumulation_mode="global",
+                        checkpointed=400)
+    assert totals(ckpt, "size")["all_gather"] == 2 * 900 * 9 + 2 * 200 * 3 + 200 + 2 * 200
+    plain = step_traffic(PSI, PSI_T, stage=3, world=G, accumulation=K, persistent=100, checkpointed=400)
+    assert totals(plain, "size")["all_gather"] == 2 * 900 * 3 + 200
     # at k = 1 the global loop is the plain one
     one = step_traffic(PSI, PSI_T, stage=3, world=G, accumulation=1, persistent=100, accumulation_mode="global")
     assert totals(one, "size")["all_gather"] == 2 * 900 + 200
