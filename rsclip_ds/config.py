@@ -216,6 +216,16 @@ class Fp16Config(_Strict):
     min_loss_scale: float = Field(1.0, gt=0, description="fp16 only: the scale never goes below this.")
 
 
+class Bf16Config(_Strict):
+    grad_accum_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="bf16 only: the dtype DeepSpeed accumulates gradients in across micro-batches "
+        "(its `data_types.grad_accum_dtype`). 'fp32' keeps the sum in fp32 (ZeRO-1 then runs DeepSpeed's "
+        "BF16_Optimizer, with a whole fp32 gradient copy per GPU; ZeRO-2/3 an fp32 gradient partition); "
+        "'bf16' sums in bf16. 'auto': fp32 for ZeRO-2 and ZeRO-3, bf16 for ZeRO-1 and ZeRO-2 with optimizer "
+        "offload, where fp32 costs GPU memory the others do not pay (docs/precision.md: the measurement, "
+        "the rule and the bytes).")
+
+
 class LoggingConfig(_Strict):
     log_every: int = Field(10, ge=1, description="Optimizer steps between log lines / progress updates.")
     progress: Literal["auto", "rich", "plain"] = Field(
@@ -308,6 +318,7 @@ class RunConfig(_Strict):
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig, description="Fine-tuning controls: "
                                      "locked towers, LoRA, a new image size.")
     fp16: Fp16Config = Field(default_factory=Fp16Config, description="Loss-scaler settings (precision=fp16).")
+    bf16: Bf16Config = Field(default_factory=Bf16Config, description="Gradient accumulation dtype (precision=bf16).")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress output.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation during training "
                              "(zero-shot classification, retrieval).")
@@ -321,6 +332,9 @@ class RunConfig(_Strict):
         if self.optim.warmup_steps >= self.steps and self.steps > 1:
             raise ValueError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be below steps "
                              f"({self.steps}); lower it with --set optim.warmup_steps=N")
+        if self.bf16.grad_accum_dtype != "auto" and self.precision != "bf16":
+            raise ValueError(f"bf16.grad_accum_dtype={self.bf16.grad_accum_dtype} applies to precision=bf16 only "
+                             f"(precision is {self.precision}); drop it or set precision=bf16")
         return self
 
 

@@ -41,6 +41,7 @@ RUN_KEYS = {
     "optimizer": "optim.*",
     "scheduler": "optim.warmup_steps / steps / optim.min_lr_ratio",
     "gradient_clipping": "optim.gradient_clipping",
+    "data_types": "bf16.grad_accum_dtype",
 }
 # Our own block, removed before DeepSpeed sees the dict.
 RSCLIP_KEYS = {"description", "gpu_budget", "activation_checkpointing"}
@@ -184,15 +185,56 @@ def _run_values(run: RunConfig, sizes: BatchSizes, on_gpu: bool, offload: bool) 
     return values
 
 
+def auto_grad_accum_dtype(profile: Profile) -> str:
+    """What bf16.grad_accum_dtype='auto' means for a profile. The rule (docs/precision.md, measured
+    by benchmarks/grad_accum.py): fp32 where, at k = 8 micro-batches, it brings the gradient closer
+    to the fp32 big-batch one (it does at every stage) AND costs at most 2 bytes per trainable
+    parameter / G of GPU memory and no bytes on the wire. ZeRO-2 and ZeRO-3 pass: their gradient
+    partition becomes fp32 (and the step's fp32 copy of it goes away); with ZeRO-3's optimizer
+    offload that partition is in CPU memory. ZeRO-1 does not: DeepSpeed then swaps in its
+    BF16_Optimizer, which keeps a whole fp32 gradient copy (4 bytes per parameter) on every GPU.
+    ZeRO-2 with optimizer offload does not either: a 4-byte partition appears on the GPU."""
+    if profile.stage == 3 or (profile.stage == 2 and not profile.offload_optimizer):
+        return "fp32"
+    return "bf16"
+
+
+def grad_accum_dtype(run: RunConfig, profile: Profile) -> str:
+    """DeepSpeed's data_types.grad_accum_dtype for this run: bf16.grad_accum_dtype resolved for bf16
+    runs, the precision itself otherwise (what DeepSpeed does when it is unset). Raises
+    ConfigError where DeepSpeed 0.19.8 would refuse the pair, naming the fix."""
+    if run.precision != "bf16":
+        return run.precision
+    choice = run.bf16.grad_accum_dtype
+    dtype = auto_grad_accum_dtype(profile) if choice == "auto" else choice
+    if dtype == "fp32" and profile.stage == 0:
+        # engine._do_optimizer_sanity_check: "unsupported mix of model_dtype and grad_accum_dtype"
+        raise ConfigError(f"bf16.grad_accum_dtype=fp32 needs ZeRO: DeepSpeed accumulates in bf16 without it "
+                          f"(profile {profile.path.name} has stage 0); use a ZeRO profile (zero1, zero2, zero3) "
+                          f"or --set bf16.grad_accum_dtype=bf16")
+    zero = profile.strategy.get("zero_optimization", {})
+    if dtype == "fp32" and profile.stage == 1 and not profile.offload_optimizer and \
+            zero.get("compute_grad_norm", True) is False:
+        # ZeRO-1 + bf16 + fp32 accumulation is DeepSpeed's BF16_Optimizer, which needs the norm
+        raise ConfigError(f"bf16.grad_accum_dtype=fp32 at ZeRO-1 runs DeepSpeed's BF16_Optimizer, which needs "
+                          f"zero_optimization.compute_grad_norm: remove compute_grad_norm=false from "
+                          f"{profile.path.name}, or --set bf16.grad_accum_dtype=bf16")
+    from deepspeed.runtime.config import DtypeEnum
+
+    DtypeEnum(dtype)   # DeepSpeed's own parser of the value
+    return dtype
+
+
 def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu: bool) -> dict[str, Any]:
     """Merge the profile's strategy with the run's values; conflicts name both sides."""
     sizes = derive_batch(run, world_size)
     values = _run_values(run, sizes, on_gpu, profile.offload_optimizer)
+    values["data_types"] = {"grad_accum_dtype": grad_accum_dtype(run, profile)}
     for key, theirs in profile.run_values.items():
-        if theirs != values[key]:
+        if theirs != values.get(key):
             raise ConfigError(
                 f"profile {profile.path.name} sets {key}={json.dumps(theirs)} but the run config gives "
-                f"{json.dumps(values[key])} (from {RUN_KEYS[key]}); per-run values come from the run "
+                f"{json.dumps(values.get(key))} (from {RUN_KEYS[key]}); per-run values come from the run "
                 f"config: remove {key!r} from the profile, or change {RUN_KEYS[key]}")
     config = {"steps_per_print": 10**9, "wall_clock_breakdown": False, **profile.strategy, **values}
     if profile.offload_optimizer and values["optimizer"]["params"]["torch_adam"]:
