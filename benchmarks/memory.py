@@ -63,16 +63,16 @@ a fresh engine with K micro-batches per optimizer step; the peak over its second
 against `memory.peak(...)` (allocated on a GPU, `.host` on CPU ranks), within 15%. How it is
 measured on CPU ranks (the resident set's high-water mark, glibc tuned): benchmarks/memory_peak.py.
 
-    for p in zero1 zero2 zero2_offload zero3 zero3_offload; do
+    for p in zero1 zero2 zero2_offload zero3 zero3_offload; do for k in 1 4; do
       DS_ACCELERATOR=cpu deepspeed --num_gpus 2 benchmarks/memory.py --preset git-rsclip-base --micro 2 \
-        --steps 1 --accumulation 1 4 --profiles $p --out benchmarks/results/memory_peak_base_$p.json
-    done
-    python benchmarks/memory.py --combine benchmarks/results/memory_peak_base_*.json \
-        --out benchmarks/results/memory_peak_base.json
+        --accumulation $k --profiles $p --out benchmarks/results/peak/$p-$k.json
+    done; done
+    python benchmarks/memory.py --combine benchmarks/results/peak/*.json --out benchmarks/results/memory_peak_base.json
 
-One launch per profile: engines built one after another in a process do not give all of their
-memory back (the 203M model's builds left ~1 GiB each behind here), so a launch that runs every
-profile at this size outgrows a 24 GiB machine and mixes one profile's leftovers into the next.
+With --accumulation only the peaks are measured (a 203M-parameter engine per profile and K). One
+launch each: an engine built after another in the same process finds memory the first did not
+give back (measured here: 8 GiB resident per rank after three builds of git-rsclip-base, where one
+step's peak is 4), which the resident-set measurement would count and a 24 GiB machine does not hold.
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def compare(name, prof, spec, states, held, persistent, act, act_pred, act_parts
                     "cpu_term": ("offloaded states" if states.cpu_node > build_copy else "fp32 build copy")
                     if offloaded else "none"},
         "activations": {"predicted": act_pred, "measured": act, "ratio": _ratio(act, act_pred), **act_parts},
-        "step_seconds": step_s, "peaks": [],
+        "step_seconds": step_s,
     }
     row["offload"]["comparable"] = row["offload"]["cpu_term"] != "fp32 build copy"
     ok_gpu = abs(row["gpu"]["ratio"] - 1) <= MODEL_TOL
@@ -282,10 +282,8 @@ def print_table(report: dict) -> None:
     cfg = report["config"]
     table = Table(title=escape(f"{cfg['preset']} {cfg['precision']}{mode_label(cfg)}, "
                                f"{report['environment']['world_size']} ranks: per rank, MiB (max over ranks)"))
-    ks = sorted({p["accumulation"] for r in report["profiles"] for p in r["peaks"]})
     for col in ("profile", "gpu pred", "gpu meas", "ratio", "offl pred", "offl meas", "ratio",
-                "states", "act pred", "act meas", "ratio", "act", "persist",
-                *(f"peak k={k} pred/meas (ratio)" for k in ks), "step ms"):
+                "states", "act pred", "act meas", "ratio", "act", "persist", "step ms"):
         table.add_column(col, justify="right")
     for r in report["profiles"]:
         g, o, a = r["gpu"], r["offload"], r["activations"]
@@ -295,11 +293,41 @@ def print_table(report: dict) -> None:
                       "PASS" if r["model_states_pass"] else "FAIL",
                       f"{a['predicted'] / mib:.3f}", f"{a['measured'] / mib:.3f}", f"{a['ratio']:.3f}",
                       "PASS" if r["activations_pass"] else "FAIL",
-                      f"{r['persistent_gathered_bytes'] / mib:.3f}",
-                      *(f"{p['predicted'] / mib:.0f}/{p['measured'] / mib:.0f} ({p['ratio']:.2f})"
-                        + ("" if p["pass"] else " FAIL") for p in r["peaks"]),
-                      f"{r['step_seconds'] * 1e3:.1f}")
+                      f"{r['persistent_gathered_bytes'] / mib:.3f}", f"{r['step_seconds'] * 1e3:.1f}")
     Console(width=200).print(table)
+
+
+def print_peak_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    gib, cfg = 2**30, report["config"]
+    table = Table(title=f"{cfg['preset']} {cfg['precision']}, micro {cfg['micro']}, "
+                        f"{report['environment']['world_size']} ranks: peak per rank, GiB (max over ranks)")
+    for col in ("profile", "accumulation", "predicted", "measured", "ratio", "", "states", "fwd/bwd", "step",
+                "host", "peak in"):
+        table.add_column(col, justify="right")
+    for r in report["profiles"]:
+        for p in r["peaks"]:
+            t = p["terms"]
+            table.add_row(r["profile"], str(p["accumulation"]), f"{p['predicted'] / gib:.3f}",
+                          f"{p['measured'] / gib:.3f}", f"{p['ratio']:.3f}", "PASS" if p["pass"] else "FAIL",
+                          f"{t['states'] / gib:.3f}", f"{t['train'] / gib:.3f}", f"{t['step'] / gib:.3f}",
+                          f"{(t['host_states'] + t['host_step']) / gib:.3f}", t["phase"])
+    Console(width=160).print(table)
+
+
+def plot_peak_report(report: dict, path: Path) -> str | None:
+    plt = pyplot()
+    if plt is None:
+        return None
+    rows = report["profiles"]
+    fig, ax = plt.subplots(figsize=(10, 5))
+    plot_peaks(ax, rows, sorted({p["accumulation"] for r in rows for p in r["peaks"]}))
+    cfg, env = report["config"], report["environment"]
+    fig.suptitle(f"{cfg['preset']} {cfg['precision']}, micro {cfg['micro']}, {env['world_size']} ranks "
+                 f"({env['device']}); label = measured / predicted")
+    return save_figure(plt, fig, path)
 
 
 def plot(report: dict, path: Path) -> str | None:
@@ -309,10 +337,7 @@ def plot(report: dict, path: Path) -> str | None:
     rows = report["profiles"]
     names = [r["profile"] for r in rows]
     x = range(len(rows))
-    ks = sorted({p["accumulation"] for r in rows for p in r["peaks"]})
-    fig, axes = plt.subplots(1, 3 + bool(ks), figsize=(16 + 6 * bool(ks), 5))
-    if ks:
-        plot_peaks(axes[3], rows, ks)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
     for ax, key, title in zip(axes, ("gpu", "offload", "activations"),
                               ("model states on the accelerator, per rank", "offloaded model states, per rank",
                                "saved activations, one micro-batch")):
@@ -350,16 +375,24 @@ def plot_peaks(ax, rows: list[dict], ks: list[int]) -> None:
 
 
 def combine(paths: list[Path], out: Path) -> dict:
-    """Reports of the same preset and settings, one profile each (a fresh launch per profile
-    keeps one profile's leftover memory out of the next one's peak), as one report + PNG."""
+    """Peak reports of the same preset and settings made one launch per profile and accumulation
+    (an engine built after another in the same process finds memory the first did not give back),
+    joined into --out (+ PNG): a profile's peaks from several reports become one row."""
     reports = [json.loads(p.read_text()) for p in paths]
-    keys = ("preset", "precision", "micro", "accumulation")
+    keys = ("preset", "precision", "micro")
     if any({k: r["config"].get(k) for k in keys} != {k: reports[0]["config"].get(k) for k in keys} for r in reports):
         raise SystemExit(f"--combine: the reports differ in {keys}")
-    report = {**reports[0], "profiles": [row for r in reports for row in r["profiles"]],
+    rows: dict[str, dict] = {}
+    for r in reports:
+        for row in r["profiles"]:
+            rows.setdefault(row["profile"], {"profile": row["profile"], "peaks": []})["peaks"] += row["peaks"]
+    order = {name: i for i, name in enumerate(available_profiles())}
+    report = {**reports[0], "profiles": sorted(rows.values(), key=lambda r: order.get(r["profile"], len(order))),
               "seconds": sum(r["seconds"] for r in reports), "combined_from": [str(p) for p in paths]}
-    report["all_pass"] = all(r["all_pass"] for r in reports)
-    finish(report, out, 0, print_table, plot)
+    for row in report["profiles"]:
+        row["peaks"].sort(key=lambda p: p["accumulation"])
+    report["all_pass"] = all(p["pass"] for row in report["profiles"] for p in row["peaks"])
+    finish(report, out, 0, print_peak_table, plot_peak_report)
     return report
 
 
@@ -432,34 +465,52 @@ def main(argv=None) -> int:
         return 0
     if args.build_rss or args.build_rss_worker:
         return memory_build.main(args)
-    if args.accumulation and not torch.cuda.is_available():
-        tune_host_allocator()   # before anything large exists (memory_peak.py)
+    if args.accumulation:
+        return main_peaks(args)
     with process_group(args.threads) as info:
         t0 = time.perf_counter()
         rows = []
         for name in args.profiles or available_profiles():
             row = run_profile(name, args, info.on_gpu)
             reduce_over_ranks(row)
-            row["peaks"] = [run_peak(name, args, info.on_gpu, k) for k in args.accumulation]
             rows.append(row)
             rank0_print(info.rank)(f"{name}: gpu {row['gpu']['ratio']:.3f} offload {row['offload']['ratio']:.3f} "
-                                   f"activations {row['activations']['ratio']:.3f}" +
-                                   "".join(f" peak k={p['accumulation']} {p['ratio']:.3f}" for p in row["peaks"]))
+                                   f"activations {row['activations']['ratio']:.3f}")
         finetune = load_config(None, args.set).finetune
         spec = memory.preset_spec(args.preset, finetune)
         config = {"preset": args.preset, "precision": args.precision, "micro": args.micro,
                   "steps": args.steps, "parameters": spec.params, "largest_layer": spec.largest_layer,
-                  "model_tolerance": MODEL_TOL, "activation_tolerance": ACT_TOL, "peak_tolerance": PEAK_TOL,
-                  "accumulation": args.accumulation}
+                  "model_tolerance": MODEL_TOL, "activation_tolerance": ACT_TOL}
         if args.set:   # the default report stays as it was
             config.update(set=args.set, finetune=finetune.model_dump(exclude_defaults=True),
                           trainable=spec.trainable)
         report = {"config": config,
                   "environment": environment(args.threads), "compared": COMPARED,
                   "profiles": rows, "seconds": time.perf_counter() - t0}
-        report["all_pass"] = all(r["model_states_pass"] and r["activations_pass"] and all(p["pass"] for p in r["peaks"])
-                                 for r in rows)
+        report["all_pass"] = all(r["model_states_pass"] and r["activations_pass"] for r in rows)
         finish(report, args.out, info.rank, print_table, plot)
+        rank0_print(info.rank)(f"wrote {args.out} in {report['seconds']:.0f}s; all within target: {report['all_pass']}")
+    return 0
+
+
+def main_peaks(args) -> int:
+    """--accumulation: only the peaks (one engine per profile and K; see the module docstring)."""
+    if not torch.cuda.is_available():
+        tune_host_allocator()   # before anything large exists (memory_peak.py)
+    with process_group(args.threads) as info:
+        t0 = time.perf_counter()
+        rows = []
+        for name in args.profiles or available_profiles():
+            rows.append({"profile": name, "peaks": [run_peak(name, args, info.on_gpu, k) for k in args.accumulation]})
+            rank0_print(info.rank)(f"{name}:" + "".join(f" peak k={p['accumulation']} {p['ratio']:.3f}"
+                                                        for p in rows[-1]["peaks"]))
+        spec = memory.preset_spec(args.preset, load_config(None, args.set).finetune)
+        report = {"config": {"preset": args.preset, "precision": args.precision, "micro": args.micro,
+                             "parameters": spec.params, "peak_tolerance": PEAK_TOL, "set": args.set},
+                  "environment": environment(args.threads), "compared": {"peaks": COMPARED["peaks"]},
+                  "profiles": rows, "seconds": time.perf_counter() - t0}
+        report["all_pass"] = all(p["pass"] for r in rows for p in r["peaks"])
+        finish(report, args.out, info.rank, print_peak_table, plot_peak_report)
         rank0_print(info.rank)(f"wrote {args.out} in {report['seconds']:.0f}s; all within target: {report['all_pass']}")
     return 0
 
