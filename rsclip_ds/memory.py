@@ -56,6 +56,9 @@ FRAGMENTATION = 0.10
 # Per GPU, outside PyTorch's allocated bytes: the CUDA context and kernels (~0.5 GiB with torch
 # 2.x on H100/H200-class GPUs), NCCL's communicators and buffers (~0.3-0.5 GiB), cuBLAS workspaces.
 RESERVE = GiB
+# ZeRO-3's stage3_param_persistence_threshold in DeepSpeed and in our profiles: smaller parameters
+# stay gathered on every rank
+PERSISTENCE_THRESHOLD = 100_000
 # torch's AdamW temporaries of the size of one (flat) partition: foreach on a GPU, per tensor on CPU
 ADAM_TEMPORARIES = {"cuda": 1, "cpu": 2}
 # p, g, k per parameter. DeepSpeed 0.19.8 keeps an fp32 master partition even in fp32
@@ -78,6 +81,9 @@ class ModelSpec:
     trainable_vision: int = -1   # elements that train (locks, LoRA); -1: all
     trainable_text: int = -1
     finetune_json: str = "{}"    # the FinetuneConfig the counts were made with (for the probe)
+    small_params: int = 0        # elements in parameters of <= 1e5 (what ZeRO-3 keeps gathered)
+    layer_params: int = 0        # elements of the encoder layers' larger parameters (what ZeRO-3 re-gathers
+                                 # when checkpointing recomputes them)
 
     @property
     def params(self) -> int:
@@ -133,9 +139,12 @@ def model_spec(config, name: str = "custom", finetune=None) -> ModelSpec:
 
     def count(module, trainable=False):
         return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable)
+    small = sum(p.numel() for p in m.parameters() if p.numel() <= PERSISTENCE_THRESHOLD)
+    layers = sum(p.numel() for tower in (m.vision_model, m.text_model) for p in tower.encoder.layers.parameters()
+                 if p.numel() > PERSISTENCE_THRESHOLD)
     return ModelSpec(name, config.to_json_string(use_diff=False), count(m.vision_model), count(m.text_model), largest,
                      (vc.image_size // vc.patch_size) ** 2, tc.max_position_embeddings, vc.hidden_size,
-                     count(m.vision_model, True), count(m.text_model, True), ft)
+                     count(m.vision_model, True), count(m.text_model, True), ft, small, layers)
 
 
 def preset_spec(preset: str, finetune=None) -> ModelSpec:
@@ -359,7 +368,7 @@ class Peak:
 def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int, *, micro: int,
          accumulation_steps: int = 1, checkpointing: bool = False, loss: str = "siglip",
          negatives: str = "global", accumulation: str = "global", device: str = "cuda",
-         input_bytes: int | None = None) -> Peak:
+         input_bytes: int | None = None, grad_accum: str = "auto") -> Peak:
     """The peak of one rank (module docstring) for a ``profile`` (profiles.Profile: its stage,
     offload and zero_optimization block; DeepSpeed's defaults where it is silent) at ``micro``
     samples per micro-batch and ``accumulation_steps`` micro-batches per step. ``device="cpu"``:
@@ -393,6 +402,20 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
     awaiting = min(bucket, t) * g                        # gradients not yet copied into a bucket
     temporaries = ADAM_TEMPORARIES[device] * 4           # fp32 bytes per element
     cast = 0 if g == 4 else 4                            # 16-bit gradients cast to fp32 for the step
+    # bf16 with fp32 gradient accumulation (bf16.grad_accum_dtype; measured by benchmarks/grad_accum.py,
+    # placement read from DeepSpeed): the partition is fp32 and the step's cast goes; ZeRO-1 runs
+    # the BF16_Optimizer with a whole fp32 gradient copy per GPU; ZeRO-2 offload adds an fp32
+    # partition on the GPU; ZeRO-3 offload keeps it on the CPU
+    grad_extra = host_extra = 0
+    fp32_accumulation = precision == "bf16" and _accumulates_in_fp32(profile, grad_accum)
+    if fp32_accumulation:
+        cast = 0
+        if stage == 1:
+            grad_extra = 4 * t - g * tpart
+        elif profile.offload_optimizer:
+            grad_extra, host_extra = (4 * tpart, 0) if stage == 2 else (0, (4 - g) * tpart)
+        else:
+            grad_extra = (4 - g) * tpart
     gathered, host_step = 0, 0
     if stage < 3:
         gradients = g * (t - tpart) if stage == 1 and accumulation_steps > 1 else awaiting
@@ -410,12 +433,18 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
         sub = min(tpart, int(zero.get("sub_group_size", 1e9)))
         # the sub-group's fp32 gradient and AdamW's temporaries; ZeRO-3's one reduce bucket is
         # allocated at start-up and stays (stage3.py), so the step has it too
-        step = 4 * sub + temporaries * sub + buckets
+        step = (0 if fp32_accumulation else 4) * sub + temporaries * sub + buckets
         if profile.offload_optimizer:
             step, host_step = 0, (temporaries * sub if device == "cpu" else 0)
     host_states = states.cpu_node // gpus_per_node if (profile.offload_optimizer or profile.offload_param) else 0
-    return Peak(states.gpu, act, logits, inputs, gradients, buckets, gathered, step, host_states, host_step,
-                RESERVE if device == "cuda" else 0)
+    return Peak(states.gpu + grad_extra, act, logits, inputs, gradients, buckets, gathered, step,
+                host_states + host_extra, host_step, RESERVE if device == "cuda" else 0)
+
+
+def _accumulates_in_fp32(profile, grad_accum: str) -> bool:
+    from rsclip_ds.profiles import auto_grad_accum_dtype
+
+    return (auto_grad_accum_dtype(profile) if grad_accum == "auto" else grad_accum) == "fp32"
 
 
 def _config(spec: ModelSpec):

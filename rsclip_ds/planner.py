@@ -4,7 +4,8 @@ largest micro-batch that fits, and modelled step time; the fastest that fits is 
     rows = plan(preset_spec("git-rsclip-large"), Budget(gpus_per_node=4, nodes=1, gpu_bytes=24 * GiB), 4096)
     best = recommend(rows)
 
-A row fits when the predicted *reserved* peak (allocated + allocator headroom + the CUDA/NCCL
+The speed score is compute (FLOPs at an assumed rate) + communication (comms.py's bytes through
+the link bandwidths of `Hardware`) + offload traffic. A row fits when the predicted *reserved* peak (allocated + allocator headroom + the CUDA/NCCL
 reserve, `memory.Peak.reserved`) is within the GPU's memory, and the offloaded states within the
 node's CPU memory when that is given.
 """
@@ -14,17 +15,20 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from rsclip_ds import comms
 from rsclip_ds.memory import BYTES, GiB, ModelSpec, Peak, model_state_bytes, peak
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """Assumed throughput for the relative speed score (ratios matter, not absolutes)."""
-    flops: float = 100e12        # achieved FLOP/s per GPU (bf16; fp32 at a quarter)
-    intra_bw: float = 100e9      # bytes/s per rank on collectives inside a node
-    inter_bw: float = 12.5e9     # bytes/s per rank across nodes (100 Gb/s)
-    pcie_bw: float = 12e9        # bytes/s GPU <-> pinned CPU memory per rank
-    cpu_adam: float = 1e9        # parameters/s one node's CPU Adam updates
+    """Assumed throughput for the speed score. Bandwidths are a GPU's achieved bus bandwidth,
+    one direction, bytes/s (comms.py states where the defaults come from: NVLink 4 inside an
+    H100/H200 node, one InfiniBand NDR NIC per GPU across nodes)."""
+    flops: float = 100e12               # achieved FLOP/s per GPU (bf16; fp32 at a quarter)
+    intra_bw: float = comms.NVLINK4_BW  # inside a node
+    inter_bw: float = comms.IB_NDR_PER_GPU   # a GPU's share of its node's network
+    pcie_bw: float = 12e9               # bytes/s GPU <-> pinned CPU memory per rank
+    cpu_adam: float = 1e9               # parameters/s one node's CPU Adam updates
 
 
 @dataclass(frozen=True)
@@ -67,37 +71,45 @@ def accumulation_for(per_rank: int, max_micro: int) -> tuple[int, int]:
     raise AssertionError("unreachable: a = per_rank always divides")
 
 
-def step_seconds(spec: ModelSpec, stage: int, offload_optimizer: bool, offload_param: bool, precision: str,
-                 checkpointing: bool, per_rank: int, accum: int, budget: Budget, accumulation: str = "global",
-                 hw: Hardware = Hardware()) -> float:
-    """Seconds per optimizer step, compute + communication + offload, not overlapped:
-      compute  6 x (Ψ_vision x patches + Ψ_text x tokens) FLOPs per sample, x 8/6 with
-               checkpointing (one more forward), x 8/6 more for 'global' accumulation's cached pass;
-      network  per rank, ring collectives move (G-1)/G of the bytes: ZeRO-1 gΨ + pΨ per step;
-               ZeRO-2 gΨ per micro-batch + pΨ per step; ZeRO-3 (2pΨ + gΨ) per micro-batch;
+def step_seconds(spec: ModelSpec, prof, precision: str, checkpointing: bool, micro: int, accum: int,
+                 budget: Budget, accumulation: str = "global", hw: Hardware = Hardware(), loss: str = "siglip",
+                 negatives: str = "global") -> float:
+    """Seconds per optimizer step of `prof` (profiles.Profile), compute + communication + offload,
+    not overlapped:
+      compute  6 x (Ψ_vision x patches + Ψ_text x tokens) FLOPs per sample (a locked tower runs
+               forward only), x 8/6 with checkpointing (one more forward), x 8/6 more for
+               'global' accumulation's cached pass;
+      network  comms.step_traffic (what DeepSpeed 0.19.8 sends per step, the loss's features
+               included) through comms.comm_seconds (NCCL's hierarchical model: the slower of
+               the links inside and across nodes);
       PCIe     optimizer offload: g Ψ/G per micro-batch out, p Ψ/G per step in; parameter
                offload 2p Ψ/G more per micro-batch; CPU Adam on the node's n Ψ/G parameters."""
     p, g, _ = BYTES[precision]
-    psi, G, t = spec.params, budget.gpus, spec.trainable
-    # forward 2, backward 4 FLOPs per parameter and token; a locked tower runs forward only
+    psi, G, t, stage = spec.params, budget.gpus, spec.trainable, prof.stage
     per_tower = [(spec.vision_params * spec.vision_tokens, spec.tower_trains("vision")),
                  (spec.text_params * spec.text_tokens, spec.tower_trains("text"))]
-    flops = sum(work * (2 + 4 * trains) for work, trains in per_tower) * per_rank
+    flops = sum(work * (2 + 4 * trains) for work, trains in per_tower) * micro * accum
     flops *= (1 + 2 / 6 * checkpointing + 2 / 6 * (accumulation == "global" and accum > 1))
     compute = flops / (hw.flops / (4 if precision == "fp32" else 1))
-    ring = (G - 1) / G
-    net = {1: g * t + p * t, 2: g * t * accum + p * t, 3: 2 * p * psi * accum + g * t * accum}[stage] * ring
-    bw = hw.intra_bw if budget.nodes == 1 else hw.inter_bw
+    traffic = comms.step_traffic(
+        psi, t, stage=stage, world=G, accumulation=accum, precision=precision,
+        comm_dtype=prof.strategy.get("communication_data_type"), zero=prof.strategy.get("zero_optimization", {}),
+        persistent=spec.small_params if stage == 3 else 0, accumulation_mode=accumulation,
+        checkpointed=spec.layer_params if checkpointing and stage == 3 else 0,
+        loss=comms.LossTraffic(loss, negatives, micro, spec.embed_dim))
+    net = comms.comm_seconds(comms.by_collective(traffic, G, "size"), budget.nodes, budget.gpus_per_node,
+                             hw.intra_bw, hw.inter_bw)
     part, tpart = psi / G, t / G
-    pcie = (g * tpart * accum + p * tpart) * offload_optimizer + 2 * p * part * accum * offload_param
-    cpu = tpart * budget.gpus_per_node / hw.cpu_adam if offload_optimizer else 0.0
-    return compute + net / bw + pcie / hw.pcie_bw + cpu
+    pcie = (g * tpart * accum + p * tpart) * prof.offload_optimizer + 2 * p * part * accum * prof.offload_param
+    cpu = tpart * budget.gpus_per_node / hw.cpu_adam if prof.offload_optimizer else 0.0
+    return compute + net + pcie / hw.pcie_bw + cpu
 
 
 def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "bf16",
          profiles: list[str] | None = None, loss: str = "siglip", negatives: str = "global",
-         accumulation: str = "global", hw: Hardware = Hardware()) -> list[Row]:
-    """One row per (profile, activation checkpointing), fastest first."""
+         accumulation: str = "global", hw: Hardware = Hardware(), grad_accum: str = "auto") -> list[Row]:
+    """One row per (profile, activation checkpointing), fastest first. ``grad_accum``: the run's
+    bf16.grad_accum_dtype (auto: the profile's measured choice)."""
     from rsclip_ds.profiles import available_profiles, load_profile
 
     if global_batch % budget.gpus:
@@ -111,7 +123,7 @@ def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "b
             def at(m: int) -> Peak:   # micro m, as many micro-batches as the per-rank batch needs
                 return peak(spec, prof, precision, budget.gpus, budget.gpus_per_node, micro=m,
                             accumulation_steps=math.ceil(per_rank / m), checkpointing=ac, loss=loss,
-                            negatives=negatives, accumulation=accumulation)
+                            negatives=negatives, accumulation=accumulation, grad_accum=grad_accum)
             lo, hi = 0, per_rank                      # largest m whose peak fits (monotonic in m)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
@@ -119,8 +131,8 @@ def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "b
             cpu_ok = budget.cpu_bytes is None or cpu_node <= budget.cpu_bytes
             micro, accum = accumulation_for(per_rank, lo) if lo else (0, 0)
             used = at(max(micro, 1))
-            secs = step_seconds(spec, prof.stage, prof.offload_optimizer, prof.offload_param, precision, ac,
-                                per_rank, max(accum, 1), budget, accumulation, hw)
+            secs = step_seconds(spec, prof, precision, ac, max(micro, 1), max(accum, 1), budget, accumulation, hw,
+                                loss, negatives)
             rows.append(Row(prof.name, ac, bool(lo) and cpu_ok, lo, micro, accum, round(used.reserved / GiB, 2),
                             round(used.allocated / GiB, 2), used.phase, round(cpu_node / GiB, 2), secs))
     best = min((r.step_s for r in rows if r.fits), default=0.0)

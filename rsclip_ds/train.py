@@ -90,7 +90,10 @@ def train_step_global(engine, batches: list[dict], loss_fn: Callable, dtype: tor
         _set_rng_state(states[i])   # same dropout masks as in the cached pass
         image_i, text_i, logit_scale, logit_bias = engine(*_inputs(engine, batch, dtype))
         surrogate = (image_i.float() * grad_image[i]).sum() + (text_i.float() * grad_text[i]).sum()
-        if i == 0:   # the scale/bias gradient is the whole batch's: add it once
+        if i == len(batches) - 1:
+            # the scale/bias gradient is the whole batch's: add it once, in the last micro-batch
+            # (DeepSpeed 0.19.8's optimizer-offload paths drop a gradient a parameter got only in
+            # an earlier micro-batch of the step: tests/integration/test_benchmark_grad_accum.py)
             for param, leaf in ((logit_scale, scale), (logit_bias, bias)):
                 if leaf.grad is not None:
                     surrogate = surrogate + (param.float() * leaf.grad).sum()

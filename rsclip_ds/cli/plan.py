@@ -38,6 +38,12 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "(git-rsclip-large's towers scaled in width and depth)")
     p.add_argument("--gpus", type=int, required=True, help="GPUs per node")
     p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--intra-bw", type=float, default=360.0, metavar="GB/s",
+                   help="a GPU's collective bandwidth inside a node (default 360: NVLink 4, H100/H200 SXM; "
+                        "A100 NVLink 3: 230; PCIe 4 without NVLink: 20)")
+    p.add_argument("--inter-bw", type=float, default=45.0, metavar="GB/s",
+                   help="a GPU's share of its node's network (default 45: one 400 Gb/s InfiniBand NDR NIC per "
+                        "GPU; HDR 200 Gb/s: 22.5; one 100 GbE NIC per node of 8 GPUs: 1.4)")
     p.add_argument("--gpu-mem", required=True, help="memory per GPU: 24GiB, 80GB, 24 (= GiB)")
     p.add_argument("--cpu-mem", help="memory per node (same units); not checked when omitted")
     p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
@@ -121,7 +127,7 @@ def run(args) -> int:
 def _run(args):
     """Makes the plan; prints the table (returns 0), or returns the JSON document (--json)."""
     from rsclip_ds.memory import preset_spec, scaled_spec
-    from rsclip_ds.planner import Budget, plan, recommend
+    from rsclip_ds.planner import Budget, Hardware, plan, recommend
 
     finetune = _finetune(args)
     if args.params and args.set:
@@ -130,8 +136,11 @@ def _run(args):
     budget = Budget(args.gpus, args.nodes, parse_bytes(args.gpu_mem),
                     parse_bytes(args.cpu_mem) if args.cpu_mem else None)
     try:
+        if args.intra_bw <= 0 or args.inter_bw <= 0:
+            raise ValueError("--intra-bw and --inter-bw are bandwidths in GB/s: give positive numbers")
+        hw = Hardware(intra_bw=args.intra_bw * 1e9, inter_bw=args.inter_bw * 1e9)
         rows = plan(spec, budget, args.global_batch, args.precision, loss=args.loss,
-                    negatives=args.negatives, accumulation=args.accumulation)
+                    negatives=args.negatives, accumulation=args.accumulation, hw=hw)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     best = recommend(rows)
@@ -140,7 +149,8 @@ def _run(args):
     if args.json:
         doc = {"model": spec.name, "params": spec.params, "trainable": spec.trainable,
                "finetune": finetune.model_dump(), "gpus": budget.gpus,
-               "gpu_bytes": budget.gpu_bytes, "global_batch": args.global_batch,
+               "gpu_bytes": budget.gpu_bytes, "global_batch": args.global_batch, "nodes": args.nodes,
+               "intra_bw_gbs": args.intra_bw, "inter_bw_gbs": args.inter_bw,
                "rows": [r.to_dict() for r in rows],
                "recommended": best.to_dict() if best else None, "command": command}
     else:

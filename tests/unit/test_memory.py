@@ -15,7 +15,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 
 from rsclip_ds.memory import (GiB, _probe, activation_bytes_per_sample, logits_bytes, model_state_bytes, peak, preset_spec,
                               saved_bytes, scaled_spec)
-from rsclip_ds.planner import Budget, plan, recommend
+from rsclip_ds.planner import Budget, Hardware, plan, recommend, step_seconds
 from rsclip_ds.profiles import PROFILE_DIR, Profile, load_profile
 from rsclip_ds.config import ConfigError
 from rsclip_ds.model import new_dual_encoder, preset_config
@@ -121,7 +121,8 @@ def test_zero3_gathered_parameters(tmp_path):
     assert half.gathered == p * (5 * 10**7 + spec.largest_layer)
     assert none.allocated < half.allocated < pf.allocated
     # the step: the sub-group's fp32 gradient and AdamW's temporary (sub_group_size bounds both)
-    small = peak(spec, _profile(tmp_path, "zero3", sub_group_size=10**7, reduce_bucket_size=10**7), "bf16", 4, 4, **kw)
+    small = peak(spec, _profile(tmp_path, "zero3", sub_group_size=10**7, reduce_bucket_size=10**7), "bf16", 4, 4,
+                 grad_accum="bf16", **kw)
     assert small.step == (4 + 4) * 10**7 + 2 * 10**7   # + the reduce bucket ZeRO-3 keeps allocated
 
 
@@ -280,3 +281,35 @@ def test_logits_bytes_cover_what_the_loss_saves(name):
     assert saved <= logits_bytes(name, b, b) * 1.01
     if name == "siglip":
         assert saved == pytest.approx(logits_bytes(name, b, b), rel=0.01)
+
+
+def test_fp32_gradient_accumulation_bytes(tmp_path):
+    """bf16 with fp32 accumulation (bf16.grad_accum_dtype): ZeRO-2/3 keep an fp32 partition
+    (+2 bytes per trainable parameter / G) and lose the step's fp32 cast; ZeRO-1 (BF16_Optimizer)
+    holds a whole fp32 gradient copy; 'auto' is fp32 on zero2/zero3, bf16 on zero1."""
+    spec = preset_spec("git-rsclip-base")
+    G, kw = 4, dict(micro=8, accumulation_steps=4)
+    tpart = math.ceil(spec.trainable / G)
+    for name in ("zero2", "zero3"):
+        prof = load_profile(name)
+        bf, fp, auto = (peak(spec, prof, "bf16", G, G, grad_accum=d, **kw) for d in ("bf16", "fp32", "auto"))
+        assert fp.states - bf.states == 2 * tpart and auto == fp
+        assert bf.step - fp.step == 4 * min(tpart, int(prof.strategy["zero_optimization"].get("sub_group_size", 1e9)))
+    z1 = load_profile("zero1")
+    bf, fp, auto = (peak(spec, z1, "bf16", G, G, grad_accum=d, **kw) for d in ("bf16", "fp32", "auto"))
+    assert fp.states - bf.states == 4 * spec.trainable - 2 * tpart and auto == bf
+
+
+def test_the_speed_score_uses_the_communication_model():
+    """Across nodes the network counts: ZeRO-2 all-reduces the gradients every micro-batch,
+    ZeRO-1 once per step, so a slow network costs ZeRO-2 ~k times what it costs ZeRO-1; inside
+    one node the network's bandwidth does not matter."""
+    spec = preset_spec("git-rsclip-large")
+    z1, z2 = load_profile("zero1"), load_profile("zero2")
+    one, two, slow = Budget(8, 1, 80 * GiB), Budget(8, 2, 80 * GiB), Hardware(inter_bw=1.4e9)
+
+    def secs(prof, budget, hw=Hardware()):
+        return step_seconds(spec, prof, "bf16", False, 32, 16, budget, "plain", hw)
+    assert secs(z2, one, slow) == secs(z2, one)
+    d1, d2 = secs(z1, two, slow) - secs(z1, two), secs(z2, two, slow) - secs(z2, two)
+    assert d1 > 0 and 8 < d2 / d1 < 16     # gradients 16x, the parameter all-gather once for both
