@@ -20,6 +20,10 @@ by default the training precision):
             stage3_max_reuse_distance 0 and a 1e6 prefetch bucket);
             reduce-scatter cΨ_t per micro-batch (every backward);
             all-gather pΨ_p of the persistent parameters after each step.
+            Without prefetching (`stage3_prefetch_bucket_size` 0, the zero3_offload profile) a
+            module's parameters are released after its forward: backward gathers them again
+            (2k all-gathers per step, 3k under 'global' accumulation) and a checkpointed layer's
+            recomputation once more.
             'global' accumulation (k > 1) runs k forwards without a graph before the k forward +
             backward passes; ZeRO-3 resets its trace at every top-level forward, so the trace
             never repeats and the coordinator releases every module after use: 3k all-gathers
@@ -181,7 +185,13 @@ def step_traffic(params: int, trainable: int | None = None, *, stage: int, world
         return out
     gathered = params - persistent                    # Ψ_np, frozen parameters included
     prefetch = zero.get("stage3_prefetch_bucket_size", 5e7)
-    if accumulation_mode == "global" and k > 1:   # the trace never holds: see the module docstring
+    if not prefetch:   # nothing keeps a module's parameters past its forward: backward gathers them again
+        passes = 3 if accumulation_mode == "global" and k > 1 else 2
+        out.append(Traffic("all_gather", "parameters in forward and backward", p * gathered * passes * k,
+                           _calls(gathered, 1) * passes * k))
+        if checkpointed:   # and the recomputation of every checkpointed layer once more
+            out.append(Traffic("all_gather", "recomputed layers' parameters", p * checkpointed * k, k))
+    elif accumulation_mode == "global" and k > 1:   # the trace never holds: see the module docstring
         out.append(Traffic("all_gather", "parameters in forward/backward", p * gathered * 3 * k,
                            _calls(gathered, prefetch) * 3 * k))
         if checkpointed:
