@@ -378,7 +378,7 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
     stage, zero = profile.stage, profile.strategy.get("zero_optimization", {})
     p, g, _ = BYTES[precision]
     psi, t, G = spec.params, spec.trainable, gpus
-    part, tpart = math.ceil(psi / G), math.ceil(t / G)
+    tpart = math.ceil(t / G)
     states = model_state_bytes(psi, stage, profile.offload_optimizer, profile.offload_param, precision, G,
                                gpus_per_node, trainable=t)
     # forward/backward: activations, the loss, the batch
@@ -434,8 +434,8 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
         # the sub-group's fp32 gradient and AdamW's temporaries; ZeRO-3's one reduce bucket is
         # allocated at start-up and stays (stage3.py), so the step has it too
         step = (0 if fp32_accumulation else 4) * sub + temporaries * sub + buckets
-        if profile.offload_optimizer:
-            step, host_step = 0, (temporaries * sub if device == "cpu" else 0)
+        if profile.offload_optimizer:   # the step runs on the CPU; the bucket stays on the GPU
+            step, host_step = buckets, (temporaries * sub if device == "cpu" else 0)
     host_states = states.cpu_node // gpus_per_node if (profile.offload_optimizer or profile.offload_param) else 0
     return Peak(states.gpu + grad_extra, act, logits, inputs, gradients, buckets, gathered, step,
                 host_states + host_extra, host_step, RESERVE if device == "cuda" else 0)
