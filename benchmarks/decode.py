@@ -1,7 +1,7 @@
 """JPEG decode + bicubic squash to S x S on one core: which decoder and which resize feed the GPUs.
 
     python benchmarks/decode.py --out benchmarks/results/decode.json \
-        --simd-python /work/venv-simd/bin/python          # ~5 min on 2 busy cores
+        --simd-python /tmp/simd/bin/python          # ~5 min on 2 busy cores (a venv: numpy + pillow-simd)
     python benchmarks/decode.py --out /tmp/decode.json --num-images 8 --sources 256 --sizes 224 \
         --repeats 2 --min-seconds 0.05                    # seconds: the form tests run
 
