@@ -42,7 +42,6 @@ is the hand-over to the main process and its work (pickling, the fd passing, map
 
 from __future__ import annotations
 
-import inspect
 import io
 import itertools
 import os
@@ -153,13 +152,8 @@ def build_loader(pattern: str, tokenizer, size: int, workers: int, micro: int, *
     from rsclip_ds.data import build_train_loader
 
     cfg = DataConfig(train_shards=pattern, num_workers=workers, **data)
-    kwargs = {}
-    if "image_mean" in inspect.signature(build_train_loader).parameters:
-        # the model's mean/std while Collate normalises in the worker (main at the time of
-        # writing); the uint8 transport drops them (normalised on the device)
-        kwargs = {"image_mean": (0.5,) * 3, "image_std": (0.5,) * 3}
     return build_train_loader(cfg, tokenizer=tokenizer, image_size=size, max_text_length=64, micro_batch_size=micro,
-                              rank=0, world_size=1, seed=0, **kwargs)
+                              rank=0, world_size=1, seed=0)
 
 
 def _consume(batch: dict, keep: dict) -> None:

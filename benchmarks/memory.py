@@ -97,6 +97,7 @@ from memory_counting import measured_step
 from memory_peak import measured_peak, resident_bytes, tune_host_allocator
 from rsclip_ds import memory
 from rsclip_ds.config import load_config
+from rsclip_ds.distributed import local_world_size_from_env
 from rsclip_ds.engine import engine_dtype
 from rsclip_ds.model import preset_bundle
 from rsclip_ds.profiles import available_profiles
@@ -155,7 +156,7 @@ def run_profile(name: str, args, on_gpu: bool) -> dict:
         del trainer, parts, engine, bundle, batches   # the next profile starts without this one's engine
     gc.collect()
     spec = memory.preset_spec(args.preset, run.finetune)   # LoRA's weights in .params; .trainable
-    per_node = min(world, int(os.environ.get("LOCAL_SIZE", world)))
+    per_node = min(world, local_world_size_from_env())
     states = memory.model_state_bytes(spec.params, prof.stage, prof.offload_optimizer, prof.offload_param,
                                       args.precision, world, per_node, trainable=spec.trainable)
     act_pred = sum(memory.activation_bytes_per_sample(config, args.precision, checkpointing, spec.finetune_json,
@@ -184,7 +185,7 @@ def run_peak(name: str, args, on_gpu: bool, accumulation: int) -> dict:
             prof, checkpointing = trainer.profile, parts.activation_checkpointing
         del trainer, parts
     gc.collect()
-    per_node = min(world, int(os.environ.get("LOCAL_SIZE", world)))
+    per_node = min(world, local_world_size_from_env())
     spec = memory.preset_spec(args.preset, run.finetune)
     pred = memory.peak(spec, prof, args.precision, world, per_node, micro=args.micro,
                        accumulation_steps=accumulation, checkpointing=checkpointing, accumulation="plain",

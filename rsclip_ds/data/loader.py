@@ -7,8 +7,9 @@ epoch (schedule.py), tar reading (tar.py), decoding and augmentation (transforms
 counting (bad.py). This module runs them: one stream per DataLoader worker.
 
 Within a stream. Raw samples (undecoded bytes) pass a shuffle buffer reseeded every epoch, then
-are decoded with PIL (JPEG ``Image.draft``), augmented (random resized crop, flips, 90 degree
-rotations; off by default) and batched as uint8 pixels, a quarter of float32's bytes through
+are decoded (transforms.py: simplejpeg at a reduced DCT scale and torch's uint8 bicubic for
+JPEGs, PIL for the rest), augmented (random resized crop, flips, 90 degree rotations; off by
+default) and batched as uint8 pixels, a quarter of float32's bytes through
 shared memory and to the device: the model normalises them there (model.normalize_pixels); one
 of the image's captions is drawn. Augmentation and caption draws use a generator seeded by the sample
 (seed, epoch, shard, key), so they do not depend on what came before.
@@ -354,13 +355,12 @@ def _is_rank_of_group(rank: int, world_size: int) -> bool:
 def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_length: int,
                        micro_batch_size: int, rank: int, world_size: int, seed: int,
                        return_keys: bool = False, state: dict | None = None, local_world_size: int = 1,
-                       cores: int | None = None, image_mean=None, image_std=None) -> TrainLoader:
+                       cores: int | None = None) -> TrainLoader:
     """Endless iterable of full micro-batches for ``rank`` (see the module docstring).
 
     ``local_world_size`` (ranks on this node) and ``cores`` (default: this process's
-    available_cores()) size data.num_workers=auto. ``image_mean`` / ``image_std``: unused since
-    batches carry uint8 pixels (the model normalises them); accepted so that callers written
-    before keep working. ``state``: a ``loader.state_dict()`` to resume from;
+    available_cores()) size data.num_workers=auto. Batches carry uint8 pixels: the model
+    normalises them with its own mean/std. ``state``: a ``loader.state_dict()`` to resume from;
     a state saved with another seed, world size, worker count, shard list or micro batch is a
     ValueError that names the difference."""
     if not 0 <= rank < world_size:
