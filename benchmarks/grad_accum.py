@@ -79,8 +79,7 @@ def ds_config(profile: str, accum: str, comm: str | None, micro: int, k: int, wo
                              f"batch.micro_batch_size={micro}", f"batch.gradient_accumulation_steps={k}",
                              "batch.accumulation=global", "steps=2", "optim.warmup_steps=0"])
     config = build_ds_config(run, load_profile(str(path)), world, on_gpu=False)
-    for key in ("optimizer", "scheduler"):
-        config.pop(key)
+    config.pop("optimizer")
     config.update(gradient_clipping=0.0, zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
     return config
 

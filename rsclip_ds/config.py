@@ -148,7 +148,9 @@ class OptimConfig(_Strict):
                                 "and the logit scale/bias (ndim < 2) are not decayed.")
     betas: tuple[float, float] = Field((0.9, 0.98), description="AdamW betas.")
     eps: float = Field(1e-6, gt=0, description="AdamW epsilon.")
-    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps of the warmup+cosine schedule.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps of the warmup+cosine schedule: step n "
+                              "(1-based) of the first warmup_steps trains at lr x n / warmup_steps (the first step "
+                              "already moves), then cosine decay to lr x min_lr_ratio at the last step. 0: no warmup.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
     gradient_clipping: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0: off).")
     impl: Literal["auto", "torch", "deepspeed"] = Field(

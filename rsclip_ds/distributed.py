@@ -34,6 +34,17 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def seconds_since_process_start() -> float | None:
+    """Seconds since this process was started (interpreter start-up and imports included), from
+    /proc; None where there is no /proc."""
+    try:
+        start_ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])   # field 22
+        uptime = float(open("/proc/uptime").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def configure_logging(rank: int) -> None:
     """INFO on rank 0, warnings only elsewhere, every line tagged with its rank."""
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,

@@ -1,16 +1,40 @@
-"""build_engine(): deepspeed.initialize with the run's parameter groups; engine facts; exact fp32 masters."""
+"""build_engine(): deepspeed.initialize with the run's parameter groups and learning-rate schedule;
+engine facts; exact fp32 masters."""
 
 from __future__ import annotations
 
+import math
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 
-def build_engine(model: nn.Module, ds_config: dict[str, Any], param_groups: list[dict[str, Any]] | None = None):
-    """Returns the DeepSpeed engine (optimizer and scheduler come from ds_config). ``param_groups``
+def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float = 0.0) -> float:
+    """The learning-rate factor of optimizer step ``step`` (0-based: the run's first step is 0),
+    open_clip's `cosine_lr` with a floor: linear warmup (step + 1) / warmup, so the first step
+    already moves (DeepSpeed's WarmupCosineLR gives the first two steps lr 0); the peak at step
+    warmup - 1, then cosine from 1 at step ``warmup`` towards ``min_ratio`` at step ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def lr_scheduler(warmup: int, total: int, min_ratio: float) -> Callable[[torch.optim.Optimizer], Any]:
+    """What deepspeed.initialize takes as ``lr_scheduler``: optimizer -> torch LambdaLR scaling
+    every parameter group's own peak by warmup_cosine (DeepSpeed steps it after each optimizer
+    step and saves its state in checkpoints; the schedule itself always comes from the config)."""
+    factor = partial(warmup_cosine, warmup=warmup, total=total, min_ratio=min_ratio)
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_engine(model: nn.Module, ds_config: dict[str, Any], param_groups: list[dict[str, Any]] | None = None,
+                 schedule: Callable[[torch.optim.Optimizer], Any] | None = None):
+    """Returns the DeepSpeed engine (the optimizer comes from ds_config, the learning-rate
+    schedule from ``schedule``, an lr_scheduler(...); None: constant lr). ``param_groups``
     (finetune.param_groups) default to the two groups of a plain run: weight decay on matrices
     only, at the config's learning rate."""
     import deepspeed
@@ -21,7 +45,8 @@ def build_engine(model: nn.Module, ds_config: dict[str, Any], param_groups: list
     if param_groups is None:
         params = ds_config["optimizer"]["params"]
         param_groups = groups_for(model, OptimConfig(lr=params["lr"], weight_decay=params["weight_decay"]))
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups, config=ds_config)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups, config=ds_config,
+                                           lr_scheduler=schedule)
     return engine
 
 

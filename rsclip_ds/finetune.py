@@ -169,8 +169,8 @@ def keep_checkpointed_inputs_differentiable(model) -> None:
 # --------------------------------------------------------------------------- optimizer groups
 
 def param_groups(model, optim: OptimConfig, lr_factor: float = 1.0) -> list[dict[str, Any]]:
-    """Trainable parameters -> AdamW groups. Each group carries its own peak "lr" (DeepSpeed's
-    WarmupCosineLR scales every group's by the same schedule); decay on matrices only (biases,
+    """Trainable parameters -> AdamW groups. Each group carries its own peak "lr" (the run's
+    schedule, engine.lr_scheduler, scales every group's by the same factor); decay on matrices only (biases,
     norms, the logit scale/bias and 1-D tables are not decayed, as in open_clip). Without
     per-tower learning rates or layer decay: the two groups of a plain run."""
     base = {"image": optim.image_lr or optim.lr, "text": optim.text_lr or optim.lr, "logit": optim.logit_lr or optim.lr}

@@ -39,7 +39,7 @@ RUN_KEYS = {
     "fp16": "precision / fp16.*",
     "bf16": "precision",
     "optimizer": "optim.*",
-    "scheduler": "optim.warmup_steps / steps / optim.min_lr_ratio",
+    "scheduler": "optim.warmup_steps / steps / optim.min_lr_ratio (engine.warmup_cosine)",
     "gradient_clipping": "optim.gradient_clipping",
     "data_types": "bf16.grad_accum_dtype",
 }
@@ -171,12 +171,13 @@ def _run_values(run: RunConfig, sizes: BatchSizes, on_gpu: bool, offload: bool) 
         "optimizer": {"type": "AdamW", "params": {
             "lr": scaled_lr(run, sizes.world), "betas": list(o.betas), "eps": o.eps,
             "weight_decay": o.weight_decay, "torch_adam": not use_ds_adam}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": run.steps, "warmup_num_steps": max(1, o.warmup_steps),
-            "warmup_min_ratio": 0.0, "cos_min_ratio": o.min_lr_ratio, "warmup_type": "linear"}},
         "bf16": {"enabled": run.precision == "bf16"},
         "fp16": {"enabled": run.precision == "fp16"},
     }
+    if not use_ds_adam:
+        # torch's fused AdamW (CPU and CUDA kernels): one pass over each flat ZeRO partition in
+        # place; foreach, DeepSpeed's default, makes partition-sized temporaries every step
+        values["optimizer"]["params"]["fused"] = True
     if run.precision == "fp16":
         f = run.fp16
         values["fp16"].update(loss_scale=0, initial_scale_power=f.initial_scale_power,

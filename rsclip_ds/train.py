@@ -116,6 +116,7 @@ class TrainResult:
     skipped_steps: int = 0                              # fp16 overflow steps
     loss_scale: float | None = None
     seconds: float = 0.0                                # this process's training time (all segments)
+    first_step_s: float = 0.0                           # this segment's first optimizer step (loader workers start, lazy init)
     samples_per_s: float = 0.0                          # global samples/s after the first step of this segment, saves and hooks excluded
     bad_data: dict[str, int] = field(default_factory=dict)   # bad samples skipped, sum over ranks
     checkpoints: list[str] = field(default_factory=list)     # tags saved by this segment
@@ -245,6 +246,7 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
     last = min(steps, stop_after or steps)   # stop_after ends this process early, same schedule
     if start == 0:   # a fresh run: hooks see the initial model too (evaluation from chance)
         _run_hooks(hooks, 0, engine, result, reporter)
+    t_loop = time.perf_counter()
     for step in range(start + 1, last + 1):
         guard.before_step(step, rank, world)
         result.lrs.append(float(engine.get_lr()[0]))
@@ -252,6 +254,7 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
         pending.append(guard.loss_hook(step, loss, rank))
         if step == start + 1:
             t_first = time.perf_counter()   # excludes lazy init / first-call overheads
+            result.first_step_s = t_first - t_loop
         if hooks:
             t_hooks = time.perf_counter()
             _run_hooks(hooks, step, engine, result, reporter)

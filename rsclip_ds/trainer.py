@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -27,10 +29,11 @@ from rsclip_ds.config import ConfigError, RunConfig
 from rsclip_ds.data import build_train_loader, check_shared_memory, expand_urls
 from rsclip_ds.distributed import (DistInfo, Heartbeat, StopFlag, accelerator_is_gpu, configure_logging,
                                    destroy_distributed, init_distributed, process_group_exists,
-                                   world_size_from_env)
-from rsclip_ds.engine import build_engine, set_fp32_masters
+                                   seconds_since_process_start, world_size_from_env)
+from rsclip_ds.engine import build_engine, lr_scheduler, set_fp32_masters
 from rsclip_ds.evaluation.hook import build_eval_hook
 from rsclip_ds.finetune import apply_finetune, param_groups
+from rsclip_ds.host_memory import keep_freed_memory
 from rsclip_ds.hub import check_source, resolve_source_per_node
 from rsclip_ds.losses import build_loss
 from rsclip_ds.model import ModelBundle, apply_activation_checkpointing, build_model
@@ -96,12 +99,22 @@ class Trainer:
         self.info: DistInfo | None = None
         self.parts: Parts | None = None
         self._owns_group = False
+        # seconds per start-up phase, in order (train() adds the first step; the summary has all)
+        self.startup: dict[str, float | None] = {}
+
+    @contextmanager
+    def _phase(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self.startup[name] = time.perf_counter() - t0
 
     # ---- process group and faults
     def __enter__(self) -> "Trainer":
+        self.startup["to_trainer"] = seconds_since_process_start()
         self.stop = StopFlag().install()
         self._owns_group = not process_group_exists()
-        self.info = init_distributed()
+        with self._phase("process_group"):
+            self.info = init_distributed()
         f = self.run.faults
         self.heartbeat = Heartbeat(self.info.rank, self.info.world_size, interval=f.heartbeat_s,
                                    timeout=f.peer_timeout_s, stopping=self.stop).start()
@@ -120,33 +133,40 @@ class Trainer:
             return self.parts
         run, info = self.run, self.info
         batch = derive_batch(run, info.world_size)
-        bundle = self.model or build_model(run.model, run.seed, loss=run.loss.name, ds_config=self.ds_config,
-                                           source=resolve_source_per_node(run.model, info.local_rank))
-        ac = activation_checkpointing_enabled(run, self.profile)
-        bundle, trainable = apply_finetune(bundle, run.finetune, run.loss.name, checkpointing=ac)
-        if ac:
-            apply_activation_checkpointing(bundle.model)
+        with self._phase("model"):
+            bundle = self.model or build_model(run.model, run.seed, loss=run.loss.name, ds_config=self.ds_config,
+                                               source=resolve_source_per_node(run.model, info.local_rank))
+            ac = activation_checkpointing_enabled(run, self.profile)
+            bundle, trainable = apply_finetune(bundle, run.finetune, run.loss.name, checkpointing=ac)
+            if ac:
+                apply_activation_checkpointing(bundle.model)
         if info.rank == 0:
             self._write_run_files()
             log.info("model %s | profile %s | precision %s | batch micro x accumulation x world = global: %s | "
                      "%.2fM parameters, trainable %s", bundle.source, self.profile.name, run.precision, batch,
                      bundle.num_parameters() / 1e6,
                      ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in trainable.items()))
-        eval_hook = build_eval_hook(run, bundle, info.rank, info.world_size)  # reads the eval sets now
+        with self._phase("eval_sets"):
+            eval_hook = build_eval_hook(run, bundle, info.rank, info.world_size)  # reads the eval sets now
         hooks = self.extra_hooks + ([eval_hook] if eval_hook else [])
         groups = param_groups(bundle.model, run.optim, lr_factor=scaled_lr(run, info.world_size) / run.optim.lr)
-        engine = build_engine(bundle.model, self.ds_config, groups)
+        o = run.optim
+        with self._phase("engine"):
+            engine = build_engine(bundle.model, self.ds_config, groups,
+                                  lr_scheduler(o.warmup_steps, run.steps, o.min_lr_ratio))
         checkpointer = self._checkpointer(bundle)
-        resume = checkpointer.load(engine, run.checkpoint.resume) if run.checkpoint.resume else None
-        if resume is None and run.precision != "fp32" and bundle.source and bundle.source.folder:
-            set_fp32_masters(engine, Path(bundle.source.folder))   # not rounded to the 16-bit dtype
-        loader = self.loader if self.loader is not None else build_train_loader(
-            run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
-            max_text_length=bundle.max_text_length, micro_batch_size=batch.micro,
-            rank=info.rank, world_size=info.world_size, seed=run.seed, local_world_size=info.local_world_size,
-            state=resume["data"] if resume else None)
-        if self.loader is None:   # its workers hand batches over /dev/shm: fail now, not with SIGBUS later
-            check_shared_memory(loader, held=batch.accumulation, local_ranks=info.local_world_size)
+        with self._phase("resume"):
+            resume = checkpointer.load(engine, run.checkpoint.resume) if run.checkpoint.resume else None
+            if resume is None and run.precision != "fp32" and bundle.source and bundle.source.folder:
+                set_fp32_masters(engine, Path(bundle.source.folder))   # not rounded to the 16-bit dtype
+        with self._phase("loader"):
+            loader = self.loader if self.loader is not None else build_train_loader(
+                run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
+                max_text_length=bundle.max_text_length, micro_batch_size=batch.micro,
+                rank=info.rank, world_size=info.world_size, seed=run.seed, local_world_size=info.local_world_size,
+                state=resume["data"] if resume else None)
+            if self.loader is None:   # its workers hand batches over /dev/shm: fail now, not with SIGBUS later
+                check_shared_memory(loader, held=batch.accumulation, local_ranks=info.local_world_size)
         if self.wrap_loader is not None:
             loader = self.wrap_loader(loader)
         loss_fn = build_loss(run.loss.name, negatives=run.loss.negatives, rank=info.rank,
@@ -190,6 +210,7 @@ class Trainer:
                            resume=p.resume, stop_after=run.checkpoint.stop_after)
         finally:
             reporter.close()
+        self.startup["first_step"] = result.first_step_s   # loader workers start, first batch, lazy init
         summary = self._finish(result) if rank == 0 else None
         if result.stopped:
             raise Preempted(f"stopped by SIGTERM after step {len(result.losses)}; checkpoint "
@@ -204,6 +225,9 @@ class Trainer:
                                 source=p.bundle.source or run.model.preset, num_parameters=p.bundle.num_parameters(),
                                 activation_checkpointing=p.activation_checkpointing, loss=run.loss.name,
                                 negatives=run.loss.negatives, accumulation=run.batch.accumulation)
+        summary["startup_s"] = {**self.startup, "total": sum(v for v in self.startup.values() if v)}
+        log.info("start-up %.1f s to the end of step 1: %s", summary["startup_s"]["total"],
+                 ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in self.startup.items() if v is not None))
         write_summary(summary, run.output_dir)
         print_summary(summary)
         plot_curves(summary, Path(run.output_dir) / "curves.png")   # skipped (one log line) without matplotlib
@@ -211,6 +235,10 @@ class Trainer:
 
 
 def run_training(run: RunConfig, hooks: Sequence[Hook] = ()) -> dict | None:
-    """Build and train one run: the whole of `rsclip-ds train` after argument parsing."""
+    """Build and train one run: the whole of `rsclip-ds train` after argument parsing. CPU ranks
+    keep freed host memory for reuse first (host_memory: DeepSpeed's per-step buffers would
+    otherwise be page-faulted in anew every step)."""
+    if not accelerator_is_gpu():
+        keep_freed_memory()
     with Trainer(run, hooks=hooks) as trainer:
         return trainer.train()

@@ -59,7 +59,7 @@ def main() -> None:
                    "elements": sum(getattr(p, "ds_numel", p.numel()) for p in params),
                    "matrices": sum(getattr(p, "ds_numel", p.numel()) for p in params
                                    if len(getattr(p, "ds_shape", p.shape)) >= 2)}
-                  for lr, g, params in zip(engine.lr_scheduler.org_lrs, opt.param_groups, members)]
+                  for lr, g, params in zip(engine.lr_scheduler.base_lrs, opt.param_groups, members)]
         trainable = {n for n, p in engine.module.named_parameters() if p.requires_grad}
         summary = trainer.train()
         for group, lr in zip(groups, engine.get_lr()):   # every group on the same schedule

@@ -47,6 +47,17 @@ def test_profile_trains_and_loss_falls(profile_run, profile):
     assert s["activation_checkpointing"] is (profile == "zero3_offload")
 
 
+@pytest.mark.parametrize("profile", PROFILES)
+def test_learning_rate_read_back_moves_from_the_first_step(profile_run, profile):
+    """The lr each optimizer step used, as the engine reports it: warmup 3 at lr 1e-3 gives
+    1/3, 2/3 and all of the peak on steps 1-3 (DeepSpeed's WarmupCosineLR gave steps 1-2 lr 0),
+    then cosine decay over the remaining 27 steps."""
+    lrs = profile_run(profile)["lrs"]
+    assert len(lrs) == 30
+    assert lrs[:4] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3], rel=1e-6)
+    assert all(a > b for a, b in zip(lrs[3:], lrs[4:])) and lrs[-1] < 1e-5
+
+
 def test_fp32_losses_match_across_zero_stages(profile_run):
     """Same seed, same data: ZeRO 1/2/3 (with and without offload) are the same optimisation."""
     ref = torch.tensor(profile_run("zero1")["losses"][:10])

@@ -127,7 +127,7 @@ def test_activation_checkpointing_run_config_overrides_profile():
 
 def test_run_keys_cover_every_per_run_value():
     ds = build_ds_config(load_config(None, ["precision=fp16"]), load_profile("zero2"), 1, on_gpu=False)
-    assert set(RUN_KEYS) <= set(ds)
+    assert set(RUN_KEYS) - {"scheduler"} <= set(ds)   # the schedule goes to deepspeed.initialize, not the dict
     assert ds["fp16"]["enabled"] and ds["fp16"]["initial_scale_power"] == 16
 
 
