@@ -1,5 +1,6 @@
 """Process-group facts and side effects: start and stop the group, rank-aware logging, the
-SIGTERM flag and the heartbeat. With the command line the only code that reads the environment."""
+SIGTERM flag (the heartbeat is in heartbeat.py). With the command line the only code that reads
+the environment."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
 
 log = logging.getLogger("rsclip_ds")
 
@@ -120,9 +120,6 @@ def destroy_distributed() -> None:
 
 # --------------------------------------------------------------------------- faults
 
-EXIT_PEER_LOST = 4
-
-
 class StopFlag:
     """Set by SIGTERM (what schedulers send before pre-emption, and what the deepspeed launcher
     forwards to each rank when it is itself terminated); the train loop polls it and the ranks
@@ -145,77 +142,3 @@ class StopFlag:
 
         signal.signal(signal.SIGTERM, handler)
         return self
-
-
-class Heartbeat:
-    """Each rank bumps a counter in the rendezvous store every `interval` s from a daemon
-    thread and watches the others' counters. A counter that has not moved for `timeout` s (or a
-    store that stopped answering, when rank 0 died) means a rank is gone: log which one and
-    end this process with EXIT_PEER_LOST. This bounds the wait where a collective would block
-    for DEEPSPEED_TIMEOUT (10 min) -- or forever, in DeepSpeed's busy-waiting CPU shm
-    all-reduce. It uses its own store connection and needs no GIL-free main thread."""
-
-    def __init__(self, rank: int, world_size: int, *, interval: float, timeout: float,
-                 stopping: Callable[[], bool] = lambda: False):
-        import threading
-
-        self.rank, self.world_size = rank, world_size
-        self.interval, self.timeout = interval, timeout
-        # Once SIGTERM arrived (the launcher sends it to the survivors when a rank died, a
-        # scheduler before pre-emption) a peer silent for a few heartbeats is conclusive: the
-        # healthy ranks' heartbeat threads keep beating while they save. Without this a survivor
-        # spinning in DeepSpeed's shm all-reduce waits out `timeout` or the launcher's SIGKILL.
-        self.stopping, self.stop_timeout = stopping, max(5 * interval, 5.0)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rsclip-heartbeat", daemon=True)
-
-    def start(self) -> "Heartbeat":
-        if self.world_size > 1:
-            self._thread.start()
-        return self
-
-    def close(self) -> None:
-        self._stop.set()
-
-    def _store(self):
-        import torch.distributed as dist
-
-        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                             timeout=timedelta(seconds=self.timeout), wait_for_workers=False)
-
-    def _run(self) -> None:
-        import time
-
-        peers = [r for r in range(self.world_size) if r != self.rank]
-        seen = {r: (None, time.monotonic()) for r in peers}   # rank -> (last value, when it changed)
-        last_contact, count, store = time.monotonic(), 0, None
-        while not self._stop.wait(self.interval):
-            now = time.monotonic()
-            try:
-                store = store or self._store()
-                count += 1
-                store.set(f"rsclip/heartbeat/{self.rank}", str(count))
-                for r in peers:
-                    key = f"rsclip/heartbeat/{r}"
-                    value = store.get(key) if store.check([key]) else None
-                    if value != seen[r][0]:
-                        seen[r] = (value, now)
-                last_contact = now
-            except Exception as err:   # noqa: BLE001 -- any store failure means rank 0's store is gone
-                store = None
-                if now - last_contact > self.timeout:
-                    self._die(f"the rendezvous store on rank 0 has not answered for {now - last_contact:.0f} s "
-                              f"({type(err).__name__}: {err}); rank 0 is gone")
-                continue
-            limit = min(self.timeout, self.stop_timeout) if self.stopping() else self.timeout
-            dead = [r for r in peers if now - seen[r][1] > limit]
-            if dead and not self._stop.is_set():
-                self._die(f"rank(s) {dead} sent no heartbeat for {limit:.0f} s (faults.peer_timeout_s, "
-                          f"{self.stop_timeout:.0f} s once SIGTERM arrived); a process died or hangs")
-
-    def _die(self, why: str) -> None:
-        log.error("rank %d: %s. Exiting with code %d; restart with `rsclip-ds train --resume latest` "
-                  "to continue from the last checkpoint.", self.rank, why, EXIT_PEER_LOST)
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        os._exit(EXIT_PEER_LOST)   # the main thread may be blocked inside a collective

@@ -27,12 +27,13 @@ import torch
 from rsclip_ds.checkpoint import Checkpointer, checkpoint_root, write_hf_extras
 from rsclip_ds.config import ConfigError, RunConfig
 from rsclip_ds.data import build_train_loader, check_shared_memory, expand_urls
-from rsclip_ds.distributed import (DistInfo, Heartbeat, StopFlag, accelerator_is_gpu, configure_logging,
+from rsclip_ds.distributed import (DistInfo, StopFlag, accelerator_is_gpu, configure_logging,
                                    destroy_distributed, init_distributed, process_group_exists,
                                    seconds_since_process_start, world_size_from_env)
 from rsclip_ds.engine import build_engine, lr_scheduler, set_fp32_masters
 from rsclip_ds.evaluation.hook import build_eval_hook
 from rsclip_ds.finetune import apply_finetune, param_groups
+from rsclip_ds.heartbeat import Heartbeat
 from rsclip_ds.host_memory import keep_freed_memory
 from rsclip_ds.hub import check_source, resolve_source_per_node
 from rsclip_ds.losses import build_loss
