@@ -7,7 +7,9 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import signal
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -132,8 +134,6 @@ class StopFlag:
         return self.signal is not None
 
     def install(self) -> "StopFlag":
-        import signal
-
         def handler(signum, frame):
             if self.signal is None:
                 log.warning("received %s: saving a checkpoint at the next step boundary, then exiting "
@@ -142,3 +142,45 @@ class StopFlag:
 
         signal.signal(signal.SIGTERM, handler)
         return self
+
+    def watch_launcher(self, interval: float = 1.0) -> "StopFlag":
+        """Under the deepspeed launcher, also stop when the `deepspeed` command itself is gone.
+        That command (DeepSpeed's runner) does not pass SIGTERM or SIGINT on to its child,
+        `deepspeed.launcher.launch`, which started the ranks: `timeout`, a plain `kill` or a
+        container stop would leave launch and the ranks training on as orphans, with no
+        checkpoint. A daemon thread watches launch's parent; once launch has been re-parented
+        (the runner died) the flag is set as by SIGTERM: save, exit 75. Outside the launcher:
+        nothing."""
+        import threading
+
+        launch = os.getppid()
+        runner = _parent_pid(launch)
+        if runner is None or "deepspeed.launcher.launch" not in _cmdline(launch):
+            return self
+
+        def watch():
+            while self.signal is None:
+                time.sleep(interval)
+                if os.getppid() != launch or _parent_pid(launch) != runner:
+                    log.warning("the deepspeed command that started this node's ranks (pid %d) is gone: saving a "
+                                "checkpoint at the next step boundary, then exiting with code 75", runner)
+                    self.signal = signal.SIGTERM
+        threading.Thread(target=watch, name="rsclip-launcher-watch", daemon=True).start()
+        return self
+
+
+def _parent_pid(pid: int) -> int | None:
+    """The parent of `pid` from /proc (None without /proc or once `pid` is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

@@ -112,7 +112,7 @@ class Trainer:
     # ---- process group and faults
     def __enter__(self) -> "Trainer":
         self.startup["to_trainer"] = seconds_since_process_start()
-        self.stop = StopFlag().install()
+        self.stop = StopFlag().install().watch_launcher()
         self._owns_group = not process_group_exists()
         with self._phase("process_group"):
             self.info = init_distributed()

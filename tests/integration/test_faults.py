@@ -77,3 +77,33 @@ def test_fp16_overflow_steps_are_skipped_counted_and_do_not_stop_the_run(launch_
     s = summary(out)
     assert s["skipped_steps"] >= 1 and s["optimizer_steps"] == 8
     assert math.isfinite(s["losses"][-1])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_deepspeed_command_alone_saves_and_leaves_no_orphans(launch_data, tmp_path, sig):
+    """What `timeout`, a container stop or a plain `kill` does: signal only the `deepspeed`
+    runner the user started. It does not forward the signal; the ranks see it gone (their
+    launcher was re-parented), save the same step and exit 75, and every process of the job
+    ends (the output pipe closes)."""
+    out = tmp_path / "run"
+    cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port())]
+    cmd += train_args(launch_data, out,
+                      CHECKPOINT_RUN + ["steps=400", "checkpoint.every=0", "faults.stop_check_every=1"])
+    job = TimedJob(cmd)
+    try:
+        wait_for(lambda: "rank0] step 4/400" in job.text or job.proc.poll() is not None,
+                 "rank 0 to log step 4", timeout=300, poll=0.1, detail=lambda: job.text[-4000:])
+        assert job.proc.poll() is None, job.text[-4000:]
+        ranks = [_rank_pid(job.proc, r) for r in (0, 1)]
+        job.proc.send_signal(sig)                      # the runner only, not its process group
+        job.wait(timeout=60)
+        text = job.finish_output(timeout=240)          # every process that held the pipe has ended
+    finally:
+        job.kill()
+    assert not [p for p in ranks if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert "the deepspeed command that started this node's ranks" in text, text[-4000:]
+    assert "Preempted: stopped by SIGTERM" in text and "return code = 75" in text, text[-4000:]
+    s = summary(out)
+    step = s["optimizer_steps"]
+    assert s["stopped"] == "sigterm" and 4 <= step < 400
+    assert read_pointer(out / "checkpoints") == tag_for(step)
