@@ -18,6 +18,7 @@ else
   export DS_ACCELERATOR=cpu   # no GPU: 2 CPU ranks talking over gloo
   NPROC=2
 fi
+# checkpoint.overwrite: a second demo run starts afresh and moves the first one's checkpoints aside
 exec deepspeed --num_gpus "$NPROC" --module rsclip_ds train --config configs/tiny_demo.yaml \
-  --set eval.every=50 --set eval.zero_shot_dir="$DATA/eval/classes" \
+  --set checkpoint.overwrite=true --set eval.every=50 --set eval.zero_shot_dir="$DATA/eval/classes" \
   --set eval.retrieval_json="$DATA/eval/captions.json" "$@"

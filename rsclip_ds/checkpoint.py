@@ -114,6 +114,53 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
     return p, tag
 
 
+def resume_tag(root: Path, resume: str) -> str | None:
+    """The tag `checkpoint.resume` names under ``root``: 'auto' the newest complete checkpoint
+    or None (a fresh start: one command serves a job's first submission and its requeues);
+    'latest' the same but an error without one; else a tag that must be complete."""
+    if resume in ("auto", "latest"):
+        tag = latest_tag(root)
+        if tag is None and resume == "latest":
+            raise ConfigError(f"--resume latest: no complete checkpoint in {root} (set checkpoint.every to save "
+                              f"some, start without --resume, or use --resume auto: resume if there is one)")
+        return tag
+    if not _TAG.match(resume):
+        raise ConfigError(f"--resume {resume!r}: expected 'auto', 'latest' or a tag like step00000040")
+    if not is_complete(root, resume):
+        have = ", ".join(complete_tags(root)) or "none"
+        raise ConfigError(f"--resume {resume}: no complete checkpoint of that name in {root} (complete ones: {have})")
+    return resume
+
+
+def prepare_fresh_root(root: Path, overwrite: bool, rank: int) -> None:
+    """A run that starts fresh must not share its checkpoints folder with another run's
+    checkpoints: pruning goes by tag, so an earlier run's step00020000 would outrank and outlive
+    this run's own newest saves. Refuse (ConfigError, naming the ways out); with ``overwrite``
+    rank 0 moves the folder aside to checkpoints.replaced-<UTC time> (nothing is deleted)."""
+    import time
+
+    import torch.distributed as dist
+
+    found = complete_tags(root)
+    if not found:
+        return
+    if not overwrite:
+        raise ConfigError(f"{root} holds checkpoints of another run ({found[0]} .. {found[-1]}); a fresh run there "
+                          f"would mix its tags with theirs and prune its own newest saves. Continue that run with "
+                          f"--resume auto, give this one another output_dir (--set output_dir=...), or move them "
+                          f"aside with --set checkpoint.overwrite=true")
+    group = dist.is_available() and dist.is_initialized()
+    if group:
+        dist.barrier()   # every rank has looked before the folder moves
+    if rank == 0:
+        aside = root.with_name(f"{root.name}.replaced-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+        root.rename(aside)
+        log.warning("checkpoint.overwrite: moved the earlier run's checkpoints %s .. %s to %s", found[0],
+                    found[-1], aside)
+    if group:
+        dist.barrier()
+
+
 def load_meta(root: Path, tag: str) -> dict[str, Any]:
     return json.loads((Path(root) / tag / META).read_text())
 
@@ -223,25 +270,12 @@ class Checkpointer:
             if _TAG.match(p.name) and p.name not in keep and p.name < oldest_kept:
                 shutil.rmtree(p, ignore_errors=True)
 
-    def resolve_resume(self, resume: str) -> str:
-        if resume == "latest":
-            tag = latest_tag(self.root)
-            if tag is None:
-                raise ConfigError(f"--resume latest: no complete checkpoint in {self.root} "
-                                  f"(set checkpoint.every to save some, or start without --resume)")
-            return tag
-        if not _TAG.match(resume):
-            raise ConfigError(f"--resume {resume!r}: expected 'latest' or a tag like step00000040")
-        if not is_complete(self.root, resume):
-            have = ", ".join(complete_tags(self.root)) or "none"
-            raise ConfigError(f"--resume {resume}: no complete checkpoint of that name in {self.root} "
-                              f"(complete ones: {have})")
-        return resume
-
     def load(self, engine, resume: str) -> dict[str, Any]:
         """Load engine state (module, optimizer, scheduler) and return this rank's client state
-        (what `train.client_state` made)."""
-        tag = self.resolve_resume(resume)
+        (what `train.client_state` made). ``resume``: a tag or 'latest' (resume_tag)."""
+        tag = resume_tag(self.root, resume)
+        if tag is None:
+            raise ConfigError(f"--resume {resume}: no complete checkpoint in {self.root}")
         saved_world = load_meta(self.root, tag).get("world_size")
         if saved_world != self.world_size:
             raise ConfigError(f"checkpoint {tag} was written by {saved_world} ranks, this run has "

@@ -241,8 +241,14 @@ class CheckpointConfig(_Strict):
     keep_last: int = Field(3, ge=1, description="Keep the newest N checkpoints; older ones are deleted "
                            "after a newer one is complete on every rank.")
     resume: Optional[str] = Field(
-        None, description="Continue a run: 'latest' (the newest complete checkpoint in "
-        "{output_dir}/checkpoints) or a tag such as 'step00000040'. Same as `train --resume`.")
+        None, description="Continue a run: 'auto' (the newest complete checkpoint in {output_dir}/checkpoints "
+        "if there is one, else a fresh start: one command for a job's first submission and its requeues), "
+        "'latest' (the newest complete checkpoint; an error without one) or a tag such as 'step00000040'. "
+        "Same as `train --resume`.")
+    overwrite: bool = Field(
+        False, description="A fresh run refuses an output_dir whose checkpoints folder holds another run's "
+        "checkpoints (pruning by tag would mix the runs). true: move that folder aside to "
+        "checkpoints.replaced-<UTC time> and start.")
     stop_after: Optional[int] = Field(
         None, ge=1, description="End this process after this optimizer step of the run (saving a "
         "checkpoint, exit code 0), with the LR schedule of `steps` unchanged: for chains of jobs with "

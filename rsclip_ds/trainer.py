@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rsclip_ds.checkpoint import Checkpointer, checkpoint_root, write_hf_extras
+from rsclip_ds.checkpoint import Checkpointer, checkpoint_root, prepare_fresh_root, resume_tag, write_hf_extras
 from rsclip_ds.config import ConfigError, RunConfig
 from rsclip_ds.data import build_train_loader, check_shared_memory, expand_urls
 from rsclip_ds.distributed import (DistInfo, StopFlag, accelerator_is_gpu, configure_logging,
@@ -134,6 +134,10 @@ class Trainer:
             return self.parts
         run, info = self.run, self.info
         batch = derive_batch(run, info.world_size)
+        root = checkpoint_root(run.output_dir)
+        tag = resume_tag(root, run.checkpoint.resume) if run.checkpoint.resume else None
+        if tag is None:
+            prepare_fresh_root(root, run.checkpoint.overwrite, info.rank)
         with self._phase("model"):
             bundle = self.model or build_model(run.model, run.seed, loss=run.loss.name, ds_config=self.ds_config,
                                                source=resolve_source_per_node(run.model, info.local_rank))
@@ -157,7 +161,7 @@ class Trainer:
                                   lr_scheduler(o.warmup_steps, run.steps, o.min_lr_ratio))
         checkpointer = self._checkpointer(bundle)
         with self._phase("resume"):
-            resume = checkpointer.load(engine, run.checkpoint.resume) if run.checkpoint.resume else None
+            resume = checkpointer.load(engine, tag) if tag else None
             if resume is None and run.precision != "fp32" and bundle.source and bundle.source.folder:
                 set_fp32_masters(engine, Path(bundle.source.folder))   # not rounded to the 16-bit dtype
         with self._phase("loader"):

@@ -21,8 +21,9 @@ def with_config(p):
 
 def register(sub) -> None:
     p = with_config(sub.add_parser("train", help="train (under the deepspeed launcher or alone)"))
-    p.add_argument("--resume", metavar="latest|TAG", help="continue from {output_dir}/checkpoints: "
-                   "'latest' or a tag like step00000040 (same as --set checkpoint.resume=...)")
+    p.add_argument("--resume", metavar="auto|latest|TAG", help="continue from {output_dir}/checkpoints: "
+                   "'auto' (the newest checkpoint if any, else start fresh), 'latest' (the newest; an error "
+                   "without one) or a tag like step00000040 (same as --set checkpoint.resume=...)")
     p.set_defaults(handler=run)
 
 

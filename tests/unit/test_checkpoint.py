@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from rsclip_ds.checkpoint import (META, POINTER, Checkpointer, complete_tags, read_pointer,
+from rsclip_ds.checkpoint import (META, POINTER, Checkpointer, complete_tags, prepare_fresh_root, read_pointer, resume_tag,
                                   resolve_checkpoint, tag_for, weights_only_loads, _atomic_write)
 from rsclip_ds.config import CheckpointConfig, ConfigError, load_config
 from rsclip_ds.train import Guard, NonFiniteLoss, TrainResult, _check_finite, _nonfinite_run, _sync
@@ -60,16 +60,28 @@ def test_prune_keeps_the_newest_complete_and_newer_incomplete(tmp_path):
 
 def test_resume_names_what_exists(tmp_path):
     _, root = _fake_run(tmp_path)
-    ck = Checkpointer(CheckpointConfig(), root, rank=0, world_size=2, run_config={})
-    assert ck.resolve_resume("latest") == "step00000012"
-    assert ck.resolve_resume("step00000004") == "step00000004"
+    assert resume_tag(root, "latest") == resume_tag(root, "auto") == "step00000012"
+    assert resume_tag(root, "step00000004") == "step00000004"
     with pytest.raises(ConfigError, match="complete ones: step00000004, step00000008, step00000012"):
-        ck.resolve_resume("step00000016")
-    with pytest.raises(ConfigError, match="expected 'latest' or a tag"):
-        ck.resolve_resume("last")
-    empty = Checkpointer(CheckpointConfig(), tmp_path / "none", rank=0, world_size=2, run_config={})
-    with pytest.raises(ConfigError, match="no complete checkpoint"):
-        empty.resolve_resume("latest")
+        resume_tag(root, "step00000016")
+    with pytest.raises(ConfigError, match="expected 'auto', 'latest' or a tag"):
+        resume_tag(root, "last")
+    with pytest.raises(ConfigError, match="no complete checkpoint.*--resume auto"):
+        resume_tag(tmp_path / "none", "latest")
+    assert resume_tag(tmp_path / "none", "auto") is None    # auto: a fresh start
+
+
+def test_a_fresh_run_refuses_another_runs_checkpoints_or_moves_them_aside(tmp_path):
+    _, root = _fake_run(tmp_path)
+    with pytest.raises(ConfigError, match=r"another run \(step00000004 \.\. step00000012\).*--resume auto.*"
+                                          r"checkpoint.overwrite=true"):
+        prepare_fresh_root(root, overwrite=False, rank=0)
+    prepare_fresh_root(root, overwrite=True, rank=0)
+    assert not root.exists()
+    aside, = root.parent.glob("checkpoints.replaced-*")
+    assert complete_tags(aside) == ["step00000004", "step00000008", "step00000012"]   # nothing deleted
+    prepare_fresh_root(root, overwrite=False, rank=0)    # nothing there now: no complaint
+    prepare_fresh_root(tmp_path / "never", overwrite=False, rank=0)
 
 
 def test_due_steps(tmp_path):
@@ -127,5 +139,4 @@ def test_a_pointer_to_a_tag_that_lost_its_meta_falls_back_to_the_newest_complete
     a tag without meta: the newest complete one is used instead."""
     out, root = _fake_run(tmp_path, steps=(4, 8), incomplete=(12,), pointer=12)
     assert resolve_checkpoint(out) == (root, "step00000008")
-    ck = Checkpointer(CheckpointConfig(), root, rank=0, world_size=2, run_config={})
-    assert ck.resolve_resume("latest") == "step00000008"
+    assert resume_tag(root, "latest") == "step00000008"
