@@ -5,7 +5,7 @@
 #   launch/cluster.sh --hostfile hostfile --config configs/my_run.yaml --profile zero3 \
 #       [--include "node-a:0,1@node-b"] [--exclude "node-b:3"] [--num-nodes N] [--num-gpus N] \
 #       [--master-addr node-a] [--master-port 29500] [--no-ssh --node-rank R] \
-#       [--env-file launch/deepspeed_env] [--resume latest] [--dry-run] \
+#       [--env-file launch/deepspeed_env] [--resume auto|latest|TAG] [--dry-run] \
 #       [--set key=value ...] [-- extra deepspeed launcher args]
 #
 # --profile is `--set profile=...` (ds_profiles/: zero1, zero2, zero2_offload, zero3,
@@ -13,7 +13,8 @@
 # (comments allowed, see launch/deepspeed_env.example) exported on every node: handed to the
 # launcher through DS_ENV_FILE (it applies them on the nodes it reaches by ssh/pdsh) and
 # exported here too (with --no-ssh the launcher does not read the file).
-# --dry-run prints the command and exits. Exit code: the launcher's.
+# --dry-run prints the command and exits. Exit code: the launcher's; 75 after SIGTERM/SIGINT to
+# this script (the ranks saved a checkpoint; continue with --resume auto).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -88,4 +89,26 @@ fi
 
 echo "cluster.sh: ${cmd[*]}" >&2
 [ "$dry_run" = 1 ] && exit 0
-"${cmd[@]}"
+
+# The launcher runs in the background so that SIGTERM/SIGINT to this script (SLURM's --signal to
+# the job step's tasks, scancel, a container stop) is handled here: the deepspeed runner is
+# stopped; the ranks see their launcher's parent gone, save a checkpoint (no grace limit: launch
+# itself is not signalled) and exit 75; this script waits for them, then exits 75. Waiting
+# matters under SLURM: when a step's task exits, SLURM kills what is left of the step.
+"${cmd[@]}" &
+runner=$!
+stopping=0
+forward() {
+  stopping=1
+  local children
+  children=$(pgrep -P "$runner" || true)
+  echo "cluster.sh: signal received: stopping the deepspeed runner; the ranks save and exit 75" >&2
+  kill -TERM "$runner" 2>/dev/null || true
+  for c in $children; do while kill -0 "$c" 2>/dev/null; do sleep 1; done; done
+}
+trap forward TERM INT
+set +e
+wait "$runner"
+code=$?
+[ "$stopping" = 1 ] && exit 75
+exit "$code"

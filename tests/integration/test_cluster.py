@@ -5,6 +5,9 @@ on the exported folder in one process: the same numbers."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -12,7 +15,7 @@ import pytest
 from rsclip_ds.data.synthetic import make_synthetic
 from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
 
-from tests.integration.helpers import BASE_OVERRIDES, ROOT, deepspeed_cmd, free_port, run_checked
+from tests.integration.helpers import BASE_OVERRIDES, ROOT, deepspeed_cmd, free_port, launch_env, run_checked
 
 pytestmark = pytest.mark.slow
 STEPS = 6
@@ -47,8 +50,6 @@ def test_cluster_script_trains_on_a_hostfile(cluster_run):
 
 
 def test_cluster_script_rejects_bad_arguments(tmp_path):
-    import subprocess
-
     proc = subprocess.run(["bash", str(ROOT / "launch/cluster.sh"), "--hostfile", str(tmp_path / "none"),
                            "--config", "x.yaml"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "hostfile not found" in proc.stderr
@@ -75,3 +76,85 @@ def test_eval_checkpoint_two_ranks_equals_exported_folder(cluster_run):
                 compared.append(f"{group}/{key}")
     assert {"zero_shot/top1", "retrieval/t2i_R@1", "retrieval/i2t_R@1"} <= set(compared), compared
     assert from_folder["zero_shot"]["per_class"] == pytest.approx(from_ckpt["zero_shot"]["per_class"])
+
+
+SRUN = """#!/usr/bin/env bash
+# srun as the batch script uses it, on one node: drop the options, run the task as node 0
+while [[ "$1" == --* ]]; do shift; done
+export SLURM_NODEID=0
+exec "$@"
+"""
+SCONTROL = """#!/usr/bin/env bash
+# scontrol show hostnames LIST -> the nodes; scontrol requeue ID -> recorded
+case "$1 $2" in
+  "show hostnames") echo localhost ;;
+  requeue*) echo "$*" >> "$SCONTROL_LOG" ;;
+esac
+"""
+
+
+def _slurm_job(tmp, sets: list[str], port: int) -> subprocess.Popen:
+    """launch/slurm.sbatch as SLURM runs it on one node: its environment, srun and scontrol."""
+    env = launch_env()
+    env.update(PATH=f"{tmp / 'bin'}:{env['PATH']}", SLURM_JOB_ID=str(port - 20000), SLURM_JOB_NODELIST="localhost",
+               SLURM_GPUS_ON_NODE="2", SCONTROL_LOG=str(tmp / "scontrol.log"))
+    cmd = ["bash", "launch/slurm.sbatch", str(ROOT / "configs/tiny_demo.yaml")] + [a for s in sets for a in ("--set", s)]
+    log = open(tmp / "job.log", "a")
+    return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_slurm_script_saves_on_slurms_sigterm_requeues_and_the_requeued_job_resumes(cluster_run, tmp_path):
+    """SLURM's --signal=TERM@120 signals the job step's task (our cluster.sh, which srun
+    started): the ranks save and exit 75, the script requeues the job; the requeued job, the
+    same command, resumes from that checkpoint through --resume auto."""
+    import psutil
+
+    from rsclip_ds.checkpoint import read_pointer, tag_for
+    from tests.helpers import wait_for
+
+    data, index, _, _ = cluster_run
+    (tmp_path / "bin").mkdir()
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (tmp_path / "bin" / name).write_text(text)
+        (tmp_path / "bin" / name).chmod(0o755)
+    (tmp_path / "launch").symlink_to(ROOT / "launch")
+    port = next(p for p in iter(free_port, None) if 20000 <= p < 40000)   # the script's port: 20000 + job id
+    out = tmp_path / "run"
+    sets = BASE_OVERRIDES + [f"output_dir={out}", f"data.train_shards={index['train_pattern']}",
+                             f"model.tokenizer={data / 'tok'}", "steps=400", "optim.warmup_steps=1",
+                             "faults.stop_check_every=1"]
+    job = _slurm_job(tmp_path, sets, port)
+    try:
+        log = tmp_path / "job.log"
+        wait_for(lambda: "rank0] step 5/400" in log.read_text() or job.poll() is not None,
+                 "rank 0 to log step 5", timeout=300, poll=0.2, detail=lambda: log.read_text()[-3000:])
+        task, = [p for p in psutil.Process(job.pid).children() if "cluster.sh" in " ".join(p.cmdline())]
+        task.send_signal(signal.SIGTERM)                  # what SLURM's --signal=TERM@120 does
+        code = job.wait(timeout=240)
+    finally:
+        _kill_session(job)
+    text = log.read_text()
+    assert code == 75, text[-4000:]
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", str(port - 20000)]
+    first = json.loads((out / "summary.json").read_text())
+    step = first["optimizer_steps"]
+    assert first["stopped"] == "sigterm" and 5 <= step < 400
+    assert read_pointer(out / "checkpoints") == tag_for(step)
+    # the requeued job: the same command line (stop_after ends it soon, as a later time limit would)
+    job = _slurm_job(tmp_path, sets + [f"checkpoint.stop_after={step + 3}"], port)
+    try:
+        code = job.wait(timeout=300)
+    finally:
+        _kill_session(job)
+    assert code == 0, log.read_text()[-4000:]
+    second = json.loads((out / "summary.json").read_text())
+    assert second["resumed_from"] == [step] and second["optimizer_steps"] == step + 3
+    assert len((tmp_path / "scontrol.log").read_text().splitlines()) == 1   # no second requeue
+
+
+def _kill_session(job: subprocess.Popen) -> None:
+    try:
+        os.killpg(job.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    job.wait()
