@@ -119,6 +119,22 @@ class DataConfig(_Strict):
     bad_data_min_samples: int = Field(
         1000, ge=0, description="Samples a rank reads before max_bad_fraction is checked.")
 
+    @model_validator(mode="after")
+    def _weights(self) -> "DataConfig":
+        """One weight per '::'-separated source, checked here so the error comes before any rank
+        starts (the loader checks the same again on what it expanded)."""
+        if self.train_weights is None or self.train_shards is None:
+            return self
+        sources = [part for part in self.train_shards.split("::") if part.strip()]
+        w = self.train_weights
+        if len(w) != len(sources) or any(x < 0 for x in w) or sum(w) <= 0:
+            raise ValueError(f"data.train_weights {w} needs one non-negative weight per '::'-separated source of "
+                             f"data.train_shards ({len(sources)}: {sources}), not all zero")
+        if self.policy == "exact" and any(x != int(x) for x in w):
+            raise ValueError(f"data.train_weights {w}: with data.policy=exact a weight is how often a source's "
+                             f"shards appear per epoch, a whole number; use data.policy=resampled for fractions")
+        return self
+
     @field_validator("num_workers", mode="before")
     @classmethod
     def _workers(cls, value):

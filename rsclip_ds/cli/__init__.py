@@ -2,12 +2,14 @@
 
 Under the `deepspeed` launcher: `deepspeed --num_gpus N --module rsclip_ds train ...` (the
 launcher appends `--local_rank=N`; we accept and ignore it, LOCAL_RANK is in the environment).
-Every command turns a ConfigError into one line on stderr and exit code 2.
+Every command turns a ConfigError into one line on stderr (rank 0's only, under a launcher) and
+exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rsclip_ds.cli import data, eval, export, info, plan, train
@@ -42,5 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except ConfigError as err:
-        print(f"rsclip-ds: error: {err}", file=sys.stderr)
+        # under a launcher every rank finds the same error: rank 0 says it, the others exit quietly
+        if os.environ.get("RANK", "0") == "0":
+            print(f"rsclip-ds: error: {err}", file=sys.stderr)
         return 2

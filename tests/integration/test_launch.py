@@ -136,12 +136,19 @@ def test_console_script_trains_without_a_launcher(launch_data, tmp_path):
     assert s["world_size"] == 1 and s["batch_arithmetic"] == "16 x 1 x 1 = 16"
 
 
-def test_launcher_reports_a_bad_config_before_starting(launch_data, tmp_path):
+@pytest.mark.parametrize("bad, message", [
+    ("batch.micro_batch_size=0", "batch.micro_batch_size: Input should be greater than or equal to 1"),
+    ("data.train_weights=[1,2]", "data.train_weights [1.0, 2.0] needs one non-negative weight per '::'-separated"),
+])
+def test_launcher_reports_a_bad_config_once_before_starting(launch_data, tmp_path, bad, message):
+    """A user error ends every rank with exit code 2 before any process group, said once (by
+    rank 0), without a traceback."""
     cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port())]
-    cmd += train_args(launch_data, tmp_path, ["batch.micro_batch_size=0"])
+    cmd += train_args(launch_data, tmp_path, [bad])
     proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "batch.micro_batch_size: Input should be greater than or equal to 1" in proc.stdout + proc.stderr
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text[-3000:]
+    assert text.count(message) == 1 and "Traceback" not in text, text[-3000:]
 
 
 def test_too_little_shared_memory_stops_before_training_with_exit_code_2(launch_data, tmp_path):

@@ -141,3 +141,15 @@ def test_auto_optimizer_uses_deepspeed_cpu_adam_only_for_gpu_offload():
     forced = load_config(None, ["optim.impl=deepspeed"])
     assert build_ds_config(forced, load_profile("zero2"), 2, on_gpu=False)["optimizer"]["params"][
         "torch_adam"] is False
+
+
+def test_train_weights_are_checked_against_the_sources_when_the_config_loads():
+    shards = "data.train_shards=a-{000..003}.tar::b/*.tar"
+    assert load_config(None, [shards, "data.train_weights=[3,1]"]).data.train_weights == [3.0, 1.0]
+    with pytest.raises(ConfigError, match=r"one non-negative weight per '::'-separated source .*\(2: "):
+        load_config(None, [shards, "data.train_weights=[1,2,3]"])
+    with pytest.raises(ConfigError, match="not all zero"):
+        load_config(None, [shards, "data.train_weights=[0,0]"])
+    with pytest.raises(ConfigError, match="data.policy=exact a weight is how often"):
+        load_config(None, [shards, "data.train_weights=[0.5,1]"])
+    load_config(None, [shards, "data.train_weights=[0.5,1]", "data.policy=resampled"])
