@@ -7,6 +7,8 @@ Layout (docs/checkpoints.md):
         step00000040/             one tag per saved step
             rsclip_meta.json      step, resolved config, rsclip_ds version; written only after
                                   every rank finished writing, so it marks a complete checkpoint
+            rsclip_rank00000.pt   each rank's RNG state and data position (one small file per rank)
+            rsclip_history.json   the run's per-step losses, learning rates and evaluations
             hf/                   config.json, tokenizer, preprocessor_config.json (no weights)
             mp_rank_00_model_states.pt, *_optim_states.pt   DeepSpeed's shards
 
@@ -39,6 +41,8 @@ CHECKPOINT_DIR = "checkpoints"
 POINTER = "rsclip_latest"
 META = "rsclip_meta.json"
 HF_DIR = "hf"
+RANK_FILE = "rsclip_rank{:05d}.pt"   # one rank's RNG and data position
+HISTORY = "rsclip_history.json"     # the run's losses, learning rates, evaluations (rank 0, once)
 _TAG = re.compile(r"^step(\d{8})$")
 
 
@@ -235,18 +239,22 @@ class Checkpointer:
         import torch.distributed as dist
 
         tag = tag_for(step)
-        # DeepSpeed keeps rank 0's client state only (stage 1/2): gather every rank's (RNG, data
-        # position) so that each rank finds its own on resume.
-        ranks: list[Any] = [None] * self.world_size
-        dist.all_gather_object(ranks, client_state)
-        client_state = {"rsclip": {"step": step, "version": __version__, "ranks": ranks}}
+        # O(1) per rank: each rank writes its own RNG and data position to its own small file, rank
+        # 0 the run's history once. (DeepSpeed writes the client state into rank 0's file at
+        # ZeRO-1/2 and into every rank's at ZeRO-3: a gathered history there grew with ranks².)
+        history = client_state.pop("result")
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             stale = self.root / tag / META   # a re-save after a resume: not complete until re-marked
             stale.unlink(missing_ok=True)
-        engine.save_checkpoint(str(self.root), tag=tag, client_state=client_state, save_latest=False)
-        if self.rank == 0 and self.write_extras is not None:
-            self.write_extras(self.root / tag / HF_DIR)
+        engine.save_checkpoint(str(self.root), tag=tag, save_latest=False,
+                               client_state={"rsclip": {"step": step, "version": __version__}})
+        (self.root / tag).mkdir(parents=True, exist_ok=True)
+        torch.save(client_state, self.root / tag / RANK_FILE.format(self.rank))
+        if self.rank == 0:
+            (self.root / tag / HISTORY).write_text(json.dumps(history))
+            if self.write_extras is not None:
+                self.write_extras(self.root / tag / HF_DIR)
         if self.kill_in_save_at == step and self.rank == self.world_size - 1:
             log.warning("fault injection: rank %d SIGKILLs itself inside the save of %s", self.rank, tag)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -285,7 +293,11 @@ class Checkpointer:
         if path is None:
             raise FileNotFoundError(f"DeepSpeed could not load {self.root / tag}")
         log.info("resumed from %s (step %d)", self.root / tag, client["rsclip"]["step"])
-        return client["rsclip"]["ranks"][self.rank]
+        if "ranks" in client["rsclip"]:   # rsclip_ds 0.1 gathered every rank's state into the client state
+            return client["rsclip"]["ranks"][self.rank]
+        state = torch.load(self.root / tag / RANK_FILE.format(self.rank), weights_only=True)
+        state["result"] = json.loads((self.root / tag / HISTORY).read_text())
+        return state
 
 
 SOURCE_FILE = "rsclip_source.json"   # in the checkpoint's hf/ folder: where the run's model came from

@@ -209,17 +209,23 @@ def optimizer_step(engine, batches: Iterator[dict], loss_fn: Callable, sizes: Ba
 
 
 def client_state(step: int, result: TrainResult, data: dict | None) -> dict[str, Any]:
-    """What exact continuation needs besides DeepSpeed's own state, for this rank; the
-    Checkpointer gathers every rank's copy into the saved client state."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    """What exact continuation needs besides DeepSpeed's own state: this rank's RNG (the CUDA
+    generator of its own device only: a resume may see fewer devices per process) and data
+    position, and the run's history (`result`, the same on every rank: the Checkpointer stores
+    it once)."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     return {"step": step, "data": data, "rng": {"torch": torch.get_rng_state(), "cuda": cuda},
             "result": result.to_dict()}
 
 
 def restore_client_state(state: dict[str, Any]) -> tuple[int, TrainResult]:
     torch.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"] is not None:
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    cuda = state["rng"]["cuda"]
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, (list, tuple)):   # checkpoints of rsclip_ds 0.1: every visible device's
+            cuda = cuda[torch.cuda.current_device()] if torch.cuda.current_device() < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
     result = TrainResult.from_dict(state["result"])
     result.resumed_from.append(state["step"])
     return state["step"], result
