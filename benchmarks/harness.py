@@ -157,25 +157,31 @@ def save_figure(plt, fig, path: Path) -> str:
 
 # --------------------------------------------------------------------------- data
 
-def synthetic_data(root: Path, rank: int, *, num_train: int, num_val: int, shard_size: int) -> dict:
+def synthetic_data(root: Path, rank: int, *, num_train: int, num_val: int, shard_size: int,
+                   eval_layout: bool = False) -> dict:
     """Synthetic 64 px shards and a tokenizer trained on their captions, written by rank 0
     once per size (reused when present); the other ranks wait.
-    -> {"train_pattern", "val_urls", "tokenizer"}."""
+    -> {"train_pattern", "val_urls", "tokenizer"}; with ``eval_layout`` also the val split as
+    the evaluation sets read it (make_synthetic's eval layout): "zero_shot_dir", "retrieval_json"."""
     from rsclip_ds.data.synthetic import make_synthetic
     from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
 
-    folder = Path(root) / f"synthetic_{num_train}_{num_val}_{shard_size}"
+    folder = Path(root) / f"synthetic_{num_train}_{num_val}_{shard_size}{'_eval' if eval_layout else ''}"
     if rank == 0 and not (folder / "tokenizer" / "tokenizer.json").is_file():
         index = make_synthetic(folder, num_train=num_train, num_val=num_val, shard_size=shard_size,
-                               image_size=64, seed=0, progress=False)
+                               image_size=64, seed=0, progress=False, eval_layout=eval_layout)
         urls = [str(folder / s["url"]) for s in index["train"]]
         train_tokenizer(iter_captions(urls), folder / "tokenizer", vocab_size=500, max_length=64)
     if dist.is_initialized():
         dist.barrier()
     n_train, n_val = -(-num_train // shard_size), -(-num_val // shard_size)
-    return {"train_pattern": str(folder / f"train-{{000000..{n_train - 1:06d}}}.tar"),
+    data = {"train_pattern": str(folder / f"train-{{000000..{n_train - 1:06d}}}.tar"),
             "val_urls": [str(folder / f"val-{i:06d}.tar") for i in range(n_val)],
             "tokenizer": str(folder / "tokenizer")}
+    if eval_layout:
+        layout = json.loads((folder / "index.json").read_text())["eval"]
+        data.update(zero_shot_dir=str(folder / layout["classes_dir"]), retrieval_json=str(folder / layout["captions_json"]))
+    return data
 
 
 # --------------------------------------------------------------------------- sub-runs

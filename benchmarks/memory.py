@@ -9,6 +9,9 @@
 would (`Trainer.build` applies them: locked towers and LoRA's frozen weights get no gradients or
 optimizer states, LoRA adds its adapters' weights); the prediction is then the planner's for the
 same controls (`preset_spec(preset, run.finetune)`, its `.trainable` and `.finetune_json`).
+`--precision bf16 --set bf16.master_weights=bf16` measures bf16 master weights against
+`model_state_bytes(..., master="bf16")` (the offload profiles need `--set optim.impl=deepspeed` on
+CPU ranks: DeepSpeedCPUAdam, JIT-built on first use); `--set bf16.grad_accum_dtype=...` likewise.
 
 Writes the JSON given by --out and a PNG beside it (same name, .png); rank 0 prints the table.
 On 2 CPU ranks of a 2-core machine the tiny preset takes ~1 minute, mostly engine builds.
@@ -158,7 +161,8 @@ def run_profile(name: str, args, on_gpu: bool) -> dict:
     spec = memory.preset_spec(args.preset, run.finetune)   # LoRA's weights in .params; .trainable
     per_node = min(world, local_world_size_from_env())
     states = memory.model_state_bytes(spec.params, prof.stage, prof.offload_optimizer, prof.offload_param,
-                                      args.precision, world, per_node, trainable=spec.trainable)
+                                      args.precision, world, per_node, trainable=spec.trainable,
+                                      master=run.bf16.master_weights)
     act_pred = sum(memory.activation_bytes_per_sample(config, args.precision, checkpointing, spec.finetune_json,
                                                       zero3=prof.stage == 3).values()) * args.micro
     return compare(name, prof, spec, states, held, persistent, act, act_pred, act_parts,
@@ -189,7 +193,8 @@ def run_peak(name: str, args, on_gpu: bool, accumulation: int) -> dict:
     spec = memory.preset_spec(args.preset, run.finetune)
     pred = memory.peak(spec, prof, args.precision, world, per_node, micro=args.micro,
                        accumulation_steps=accumulation, checkpointing=checkpointing, accumulation="plain",
-                       device="cuda" if on_gpu else "cpu", input_bytes=input_bytes)
+                       device="cuda" if on_gpu else "cpu", input_bytes=input_bytes,
+                       grad_accum=run.bf16.grad_accum_dtype, master=run.bf16.master_weights)
     predicted = pred.allocated if on_gpu else pred.host
     peak_bytes, seconds = max_over_ranks([float(measured["peak"]), measured["seconds"]])
     return {"accumulation": accumulation, "predicted": predicted, "measured": int(peak_bytes),
@@ -414,8 +419,9 @@ def parse_args(argv):
     parser.add_argument("--combine", type=Path, nargs="+", metavar="JSON",
                         help="no measurement: join reports made one profile per launch into --out (+ PNG)")
     parser.add_argument("--set", action="append", default=[], metavar="finetune.KEY=VALUE",
-                        help="a fine-tuning control (finetune.* keys only; repeatable), e.g. "
-                             "finetune.lock_image=true or 'finetune.lora.towers=[image,text]'")
+                        help="a fine-tuning control or precision setting (finetune.*, bf16.*, optim.impl; "
+                             "repeatable), e.g. finetune.lock_image=true, 'finetune.lora.towers=[image,text]', "
+                             "bf16.master_weights=bf16")
     memory_build.add_arguments(parser)
     args = parser.parse_args(argv)
     build = args.build_rss or args.build_rss_worker
@@ -429,17 +435,20 @@ def parse_args(argv):
     return args
 
 
+SET_KEYS = ("finetune.", "bf16.", "optim.impl=")
+
+
 def check_sets(parser, sets: list[str], build: bool) -> None:
-    """--set takes finetune.* keys only (the rest of the run is this script's), and they must
-    validate: a bad key or value stops here, before any process group exists."""
+    """--set takes finetune.*, bf16.* and optim.impl only (the rest of the run is this script's),
+    and they must validate: a bad key or value stops here, before any process group exists."""
     from rsclip_ds.config import ConfigError
 
     if sets and build:
         parser.error("--set applies to the engine measurement, not to --build-rss")
     for item in sets:
-        if not item.startswith("finetune.") or "=" not in item:
-            parser.error(f"--set {item!r}: only finetune.KEY=VALUE is accepted here "
-                         "(`rsclip-ds show-config` lists the finetune.* keys)")
+        if not item.startswith(SET_KEYS) or "=" not in item:
+            parser.error(f"--set {item!r}: only finetune.KEY=VALUE, bf16.KEY=VALUE and optim.impl=VALUE are "
+                         "accepted here (`rsclip-ds show-config` lists the keys)")
     try:
         load_config(None, sets)
     except ConfigError as err:

@@ -235,13 +235,21 @@ class Fp16Config(_Strict):
 
 
 class Bf16Config(_Strict):
+    master_weights: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16 only: the dtype of the optimizer's master weights and of AdamW's m and v. "
+        "'fp32': DeepSpeed's mixed precision (an fp32 master copy and fp32 states, 16 bytes per trainable "
+        "parameter with the bf16 weight and gradient). 'bf16': open_clip's pure_bf16, DeepSpeed's "
+        "bf16_master_weights_and_grads + bf16_optimizer_states: no fp32 copy, 10 bytes per trainable "
+        "parameter (DeepSpeed keeps a bf16 master beside the bf16 weight), but an update below half a bf16 "
+        "step of its weight is lost (docs/precision.md: profiles, bytes, measured quality). ZeRO-1/2/3; the "
+        "offload profiles need optim.impl=deepspeed on CPU ranks.")
     grad_accum_dtype: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="bf16 only: the dtype DeepSpeed accumulates gradients in across micro-batches "
         "(its `data_types.grad_accum_dtype`). 'fp32' keeps the sum in fp32 (ZeRO-1 then runs DeepSpeed's "
         "BF16_Optimizer, with a whole fp32 gradient copy per GPU; ZeRO-2/3 an fp32 gradient partition); "
         "'bf16' sums in bf16. 'auto': fp32 for ZeRO-2 and ZeRO-3, bf16 for ZeRO-1 and ZeRO-2 with optimizer "
         "offload, where fp32 costs GPU memory the others do not pay (docs/precision.md: the measurement, "
-        "the rule and the bytes).")
+        "the rule and the bytes); bf16 with master_weights=bf16.")
 
 
 class LoggingConfig(_Strict):
@@ -342,7 +350,8 @@ class RunConfig(_Strict):
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig, description="Fine-tuning controls: "
                                      "locked towers, LoRA, a new image size.")
     fp16: Fp16Config = Field(default_factory=Fp16Config, description="Loss-scaler settings (precision=fp16).")
-    bf16: Bf16Config = Field(default_factory=Bf16Config, description="Gradient accumulation dtype (precision=bf16).")
+    bf16: Bf16Config = Field(default_factory=Bf16Config, description="Master weights and gradient accumulation "
+                             "dtype (precision=bf16).")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress output.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation during training "
                              "(zero-shot classification, retrieval).")
@@ -359,6 +368,10 @@ class RunConfig(_Strict):
         if self.bf16.grad_accum_dtype != "auto" and self.precision != "bf16":
             raise ValueError(f"bf16.grad_accum_dtype={self.bf16.grad_accum_dtype} applies to precision=bf16 only "
                              f"(precision is {self.precision}); drop it or set precision=bf16")
+        if self.bf16.master_weights != "fp32" and self.precision != "bf16":
+            raise ValueError(f"bf16.master_weights={self.bf16.master_weights} applies to precision=bf16 only "
+                             f"(precision is {self.precision}): set precision=bf16, or drop bf16.master_weights "
+                             f"(fp32 training keeps fp32 weights)")
         return self
 
 

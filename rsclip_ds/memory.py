@@ -11,14 +11,16 @@ A rank's peak is its model states plus the larger of two phases (`Peak`, `peak`)
 
 Model states, Ψ parameters (Ψ_t of them trainable), G = gpus in all, n = gpus per node; bytes per
 parameter are p (weights) g (gradients) k (optimizer: fp32 master + Adam m, v): mixed precision
-2 + 2 + 12, fp32 4 + 4 + 12 (DeepSpeed keeps an fp32 master partition in fp32 too). Per GPU
+2 + 2 + 12, fp32 4 + 4 + 12 (DeepSpeed keeps an fp32 master partition in fp32 too), bf16 masters
+(`master="bf16"`, bf16.master_weights=bf16) 2 + 2 + 6 (a bf16 master partition and bf16 m, v). Per GPU
 (DeepSpeed's `estimate_zero{2,3}_model_states_mem_needs`, corrected by what benchmarks/memory.py
 measures in 0.19.8):
     ZeRO-1 = ZeRO-2  pΨ + (g+k)Ψ_t/G (the gradient partition, alive from backward to the step)
     ZeRO-3  pΨ/G + (g+k)Ψ_t/G
     ZeRO-2 + optimizer offload  pΨ        ZeRO-3 + optimizer offload  pΨ/G     + param offload  0
-With offload the CPU of a node holds (k + 4)Ψ_t n/G (the step's fp32 gradient lives there too),
-at ZeRO-3 + gΨ_t n/G (a flat gradient partition), plus pΨ n/G with parameter offload.
+With offload the CPU of a node holds (k + m)Ψ_t n/G (the master's gradient, m = 4 bytes for fp32
+masters, 2 for bf16, lives there too), at ZeRO-3 + gΨ_t n/G (a flat gradient partition), plus
+pΨ n/G with parameter offload.
 
 The transient terms, read from DeepSpeed 0.19.8 and measured on 2 CPU ranks with
 git-rsclip-base (benchmarks/memory.py --peak; docs/benchmarks.md explains each term):
@@ -66,6 +68,22 @@ ADAM_TEMPORARIES = {"cuda": 1, "cpu": 2}
 # (measured by benchmarks/memory.py).
 BYTES = {"fp32": (4, 4, 12), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Bytes per element of the master weights, of their gradient in the step and of AdamW's m and v, by
+# bf16.master_weights. 'bf16' (bf16_master_weights_and_grads + bf16_optimizer_states), measured in
+# 0.19.8 (benchmarks/memory.py --set bf16.master_weights=bf16): a bf16 master partition beside the
+# bf16 weights at every stage -- stage3.py's branch that would let the weight partition serve as
+# the master compares a torch.device with a string and never runs -- and bf16 m and v: k = 3 x 2.
+MASTER_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def state_bytes(precision: str, master: str = "fp32") -> tuple[int, int, int]:
+    """(p, g, k) bytes per parameter for a precision and a master dtype (module docstring)."""
+    if master == "fp32":
+        return BYTES[precision]
+    if precision != "bf16":
+        raise ValueError(f"master weights in {master} apply to bf16 training only, not {precision}")
+    p, g, _ = BYTES[precision]
+    return p, g, 3 * MASTER_BYTES[master]
 
 
 @dataclass(frozen=True)
@@ -291,13 +309,14 @@ class StateBytes:
 
 
 def model_state_bytes(params: int, stage: int, offload_optimizer: bool, offload_param: bool, precision: str,
-                      gpus: int, gpus_per_node: int, trainable: int | None = None) -> StateBytes:
+                      gpus: int, gpus_per_node: int, trainable: int | None = None, master: str = "fp32") -> StateBytes:
     """Model states of one rank (formulas in the module docstring). ``trainable``: elements with
     gradients and optimizer states (locked towers and LoRA's frozen weights have neither); the
-    weights' p bytes count for all ``params``."""
+    weights' p bytes count for all ``params``. ``master``: bf16.master_weights."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage {stage} is not modelled (1, 2 or 3)")
-    p, g, k = BYTES[precision]
+    p, g, k = state_bytes(precision, master)
+    m = MASTER_BYTES[master]                              # the master's gradient in the step
     psi, G, n = params, gpus, gpus_per_node
     t = psi if trainable is None else trainable            # Ψ_t: what has gradients and states
     part, tpart = math.ceil(psi / G), math.ceil(t / G)
@@ -307,13 +326,13 @@ def model_state_bytes(params: int, stage: int, offload_optimizer: bool, offload_
         # only its gradient partition (`averaged_gradients`).
         gpu = p * psi + (g + k) * tpart
         if offload_optimizer:
-            gpu, cpu = p * psi, max(cpu, (k + 4) * tpart * n)
+            gpu, cpu = p * psi, max(cpu, (k + m) * tpart * n)
         return StateBytes(gpu, cpu)
     gpu = p * part + (g + k) * tpart
     if offload_optimizer:
         gpu = p * part
         # + the flat gradient partition (`grad_partitions_flat_buffer`) next to the fp32 one
-        cpu = max(cpu, (k + 4 + g) * tpart * n + (p * part * n if offload_param else 0))
+        cpu = max(cpu, (k + m + g) * tpart * n + (p * part * n if offload_param else 0))
     if offload_param:
         gpu = 0
     return StateBytes(gpu, cpu)
@@ -368,19 +387,21 @@ class Peak:
 def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int, *, micro: int,
          accumulation_steps: int = 1, checkpointing: bool = False, loss: str = "siglip",
          negatives: str = "global", accumulation: str = "global", device: str = "cuda",
-         input_bytes: int | None = None, grad_accum: str = "auto") -> Peak:
+         input_bytes: int | None = None, grad_accum: str = "auto", master: str = "fp32") -> Peak:
     """The peak of one rank (module docstring) for a ``profile`` (profiles.Profile: its stage,
     offload and zero_optimization block; DeepSpeed's defaults where it is silent) at ``micro``
     samples per micro-batch and ``accumulation_steps`` micro-batches per step. ``device="cpu"``:
     CPU ranks, where a buffer's untouched pages cost nothing and torch's AdamW makes two
     temporaries. ``input_bytes``: bytes per sample of the batch on the device (default: uint8
-    pixels and int64 token ids, what the loader sends)."""
+    pixels and int64 token ids, what the loader sends). ``grad_accum``, ``master``: the run's
+    bf16.grad_accum_dtype and bf16.master_weights."""
     stage, zero = profile.stage, profile.strategy.get("zero_optimization", {})
-    p, g, _ = BYTES[precision]
+    p, g, _ = state_bytes(precision, master)
+    mg = MASTER_BYTES[master]
     psi, t, G = spec.params, spec.trainable, gpus
     tpart = math.ceil(t / G)
     states = model_state_bytes(psi, stage, profile.offload_optimizer, profile.offload_param, precision, G,
-                               gpus_per_node, trainable=t)
+                               gpus_per_node, trainable=t, master=master)
     # forward/backward: activations, the loss, the batch
     act = sum(activation_bytes_per_sample(_config(spec), precision, checkpointing, spec.finetune_json,
                                           stage == 3 and spec.trainable < spec.params).values()) * micro
@@ -400,16 +421,16 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
     # a GPU allocates the bucket whole; on CPU only the pages written cost (the gradients fill it)
     touched = buffers * bucket if device == "cuda" else min(buffers * bucket, t)
     awaiting = min(bucket, t) * g                        # gradients not yet copied into a bucket
-    temporaries = ADAM_TEMPORARIES[device] * 4           # fp32 bytes per element
-    cast = 0 if g == 4 else 4                            # 16-bit gradients cast to fp32 for the step
+    temporaries = ADAM_TEMPORARIES[device] * mg          # AdamW computes in the masters' dtype
+    cast = 0 if g == mg else mg                          # 16-bit gradients cast to the masters' dtype
     # bf16 with fp32 gradient accumulation (bf16.grad_accum_dtype; measured by benchmarks/grad_accum.py,
     # placement read from DeepSpeed): the partition is fp32 and the step's cast goes; ZeRO-1 runs
     # the BF16_Optimizer with a whole fp32 gradient copy per GPU; ZeRO-2 offload adds an fp32
     # partition on the GPU; ZeRO-3 offload keeps it on the CPU
     grad_extra = host_extra = 0
-    fp32_accumulation = precision == "bf16" and _accumulates_in_fp32(profile, grad_accum)
+    fp32_accumulation = precision == "bf16" and _accumulates_in_fp32(profile, grad_accum, master)
     if fp32_accumulation:
-        cast = 0
+        cast = 0 if mg == 4 else mg                      # bf16 masters: the fp32 sum is cast down
         if stage == 1:
             grad_extra = 4 * t - g * tpart
         elif profile.offload_optimizer:
@@ -422,7 +443,7 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
         buckets = touched * g
         step = g * tpart + cast * tpart + temporaries * tpart    # flat copy, fp32 cast, AdamW
         if profile.offload_optimizer:
-            step, host_step = 0, (temporaries * tpart if device == "cpu" else 0)
+            step, host_step = 0, (temporaries * tpart if device == "cpu" else 0) * _torch_adam_offload(master)
     else:
         reuse = int(zero.get("stage3_max_reuse_distance", 1e9))
         if int(zero.get("stage3_prefetch_bucket_size", 5e7)) > 0:
@@ -431,20 +452,30 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
             gathered = p * min(psi, reuse // 2 + spec.largest_layer)
         gradients, buckets = awaiting, min(bucket, t) * g if device == "cpu" else bucket * g
         sub = min(tpart, int(zero.get("sub_group_size", 1e9)))
-        # the sub-group's fp32 gradient and AdamW's temporaries; ZeRO-3's one reduce bucket is
-        # allocated at start-up and stays (stage3.py), so the step has it too
-        step = (0 if fp32_accumulation else 4) * sub + temporaries * sub + buckets
+        # the sub-group's fp32 gradient (bf16 masters: its flat bf16 copy, or the cast of an fp32
+        # sum) and AdamW's temporaries; ZeRO-3's one reduce bucket is allocated at start-up and
+        # stays (stage3.py), so the step has it too
+        master_grad = (0 if fp32_accumulation else 4) if master == "fp32" else mg
+        step = master_grad * sub + temporaries * sub + buckets
         if profile.offload_optimizer:   # the step runs on the CPU; the bucket stays on the GPU
-            step, host_step = buckets, (temporaries * sub if device == "cpu" else 0)
+            step, host_step = buckets, (temporaries * sub if device == "cpu" else 0) * _torch_adam_offload(master)
     host_states = states.cpu_node // gpus_per_node if (profile.offload_optimizer or profile.offload_param) else 0
     return Peak(states.gpu + grad_extra, act, logits, inputs, gradients, buckets, gathered, step,
                 host_states + host_extra, host_step, RESERVE if device == "cuda" else 0)
 
 
-def _accumulates_in_fp32(profile, grad_accum: str) -> bool:
+def _accumulates_in_fp32(profile, grad_accum: str, master: str = "fp32") -> bool:
     from rsclip_ds.profiles import auto_grad_accum_dtype
 
-    return (auto_grad_accum_dtype(profile) if grad_accum == "auto" else grad_accum) == "fp32"
+    if grad_accum == "auto":   # profiles.grad_accum_dtype: bf16 with bf16 masters
+        grad_accum = "bf16" if master == "bf16" else auto_grad_accum_dtype(profile)
+    return grad_accum == "fp32"
+
+
+def _torch_adam_offload(master: str) -> int:
+    """1 where an offloaded step on CPU ranks runs torch's AdamW (its temporaries count); 0 with
+    bf16 masters, which need DeepSpeedCPUAdam (profiles.bf16_master_flags), updating in place."""
+    return int(master == "fp32")
 
 
 def _config(spec: ModelSpec):

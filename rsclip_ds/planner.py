@@ -107,9 +107,10 @@ def step_seconds(spec: ModelSpec, prof, precision: str, checkpointing: bool, mic
 
 def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "bf16",
          profiles: list[str] | None = None, loss: str = "siglip", negatives: str = "global",
-         accumulation: str = "global", hw: Hardware = Hardware(), grad_accum: str = "auto") -> list[Row]:
+         accumulation: str = "global", hw: Hardware = Hardware(), grad_accum: str = "auto",
+         master: str = "fp32") -> list[Row]:
     """One row per (profile, activation checkpointing), fastest first. ``grad_accum``: the run's
-    bf16.grad_accum_dtype (auto: the profile's measured choice)."""
+    bf16.grad_accum_dtype (auto: the profile's measured choice); ``master``: its bf16.master_weights."""
     from rsclip_ds.profiles import available_profiles, load_profile
 
     if global_batch % budget.gpus:
@@ -118,12 +119,14 @@ def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "b
     rows = []
     for prof in map(load_profile, profiles or available_profiles()):
         cpu_node = model_state_bytes(spec.params, prof.stage, prof.offload_optimizer, prof.offload_param, precision,
-                                     budget.gpus, budget.gpus_per_node, trainable=spec.trainable).cpu_node
+                                     budget.gpus, budget.gpus_per_node, trainable=spec.trainable,
+                                     master=master).cpu_node
         for ac in (False, True):
             def at(m: int) -> Peak:   # micro m, as many micro-batches as the per-rank batch needs
                 return peak(spec, prof, precision, budget.gpus, budget.gpus_per_node, micro=m,
                             accumulation_steps=math.ceil(per_rank / m), checkpointing=ac, loss=loss,
-                            negatives=negatives, accumulation=accumulation, grad_accum=grad_accum)
+                            negatives=negatives, accumulation=accumulation, grad_accum=grad_accum,
+                            master=master)
             lo, hi = 0, per_rank                      # largest m whose peak fits (monotonic in m)
             while lo < hi:
                 mid = (lo + hi + 1) // 2

@@ -37,7 +37,7 @@ RUN_KEYS = {
     "train_micro_batch_size_per_gpu": "batch.micro_batch_size",
     "gradient_accumulation_steps": "batch.gradient_accumulation_steps",
     "fp16": "precision / fp16.*",
-    "bf16": "precision",
+    "bf16": "precision / bf16.master_weights",
     "optimizer": "optim.*",
     "scheduler": "optim.warmup_steps / steps / optim.min_lr_ratio (engine.warmup_cosine)",
     "gradient_clipping": "optim.gradient_clipping",
@@ -202,18 +202,31 @@ def auto_grad_accum_dtype(profile: Profile) -> str:
 
 def grad_accum_dtype(run: RunConfig, profile: Profile) -> str:
     """DeepSpeed's data_types.grad_accum_dtype for this run: bf16.grad_accum_dtype resolved for bf16
-    runs, the precision itself otherwise (what DeepSpeed does when it is unset). Raises
-    ConfigError where DeepSpeed 0.19.8 would refuse the pair, naming the fix."""
+    runs ('auto': the profile's rule, bf16 with bf16 masters), the precision itself otherwise (what
+    DeepSpeed does when it is unset). Raises ConfigError where DeepSpeed 0.19.8 would refuse the
+    pair, or silently not do what was asked, naming the fix."""
     if run.precision != "bf16":
         return run.precision
     choice = run.bf16.grad_accum_dtype
-    dtype = auto_grad_accum_dtype(profile) if choice == "auto" else choice
+    if choice == "auto":
+        # bf16 masters: the mode exists to save bytes, and the sum is rounded to bf16 for the step
+        # anyway (the master's gradient has master_weights_and_grads_dtype); an explicit fp32 sum
+        # works at ZeRO-2/3 with and without offload (measured), for 2 more bytes per parameter / G
+        dtype = "bf16" if run.bf16.master_weights == "bf16" else auto_grad_accum_dtype(profile)
+    else:
+        dtype = choice
     if dtype == "fp32" and profile.stage == 0:
         # engine._do_optimizer_sanity_check: "unsupported mix of model_dtype and grad_accum_dtype"
         raise ConfigError(f"bf16.grad_accum_dtype=fp32 needs ZeRO: DeepSpeed accumulates in bf16 without it "
                           f"(profile {profile.path.name} has stage 0); use a ZeRO profile (zero1, zero2, zero3) "
                           f"or --set bf16.grad_accum_dtype=bf16")
     zero = profile.strategy.get("zero_optimization", {})
+    if dtype == "fp32" and profile.stage == 1 and not profile.offload_optimizer and run.bf16.master_weights == "bf16":
+        # measured: DeepSpeed then builds its BF16_Optimizer, which ignores bf16_master_weights_and_grads
+        # and keeps fp32 masters and fp32 AdamW states (16 bytes per parameter, what the mode removes)
+        raise ConfigError(f"bf16.master_weights=bf16 with bf16.grad_accum_dtype=fp32 at ZeRO-1 ({profile.path.name}) "
+                          f"silently keeps fp32 masters (DeepSpeed swaps in its BF16_Optimizer); use "
+                          f"--set bf16.grad_accum_dtype=auto (bf16), or a ZeRO-2/3 profile (zero2, zero3) for an fp32 sum")
     if dtype == "fp32" and profile.stage == 1 and not profile.offload_optimizer and \
             zero.get("compute_grad_norm", True) is False:
         # ZeRO-1 + bf16 + fp32 accumulation is DeepSpeed's BF16_Optimizer, which needs the norm
@@ -226,11 +239,33 @@ def grad_accum_dtype(run: RunConfig, profile: Profile) -> str:
     return dtype
 
 
+def bf16_master_flags(run: RunConfig, profile: Profile, torch_adam: bool) -> dict[str, bool]:
+    """bf16.master_weights -> the keys of DeepSpeed's bf16 block: 'bf16' turns on both
+    bf16_master_weights_and_grads (the optimizer's master partition and its gradient in bf16) and
+    bf16_optimizer_states (AdamW's m and v in bf16); 'fp32' adds nothing (DeepSpeed's defaults).
+    Raises ConfigError where DeepSpeed 0.19.8 refuses the mode (``torch_adam``: the optimizer is
+    torch's AdamW, not DeepSpeed's), naming the fix."""
+    if run.precision != "bf16" or run.bf16.master_weights == "fp32":
+        return {}
+    if profile.stage == 0:
+        # runtime/config.py: "Bf16_master_weights_and_grads is only supported with ZeRO Stage 1, 2, or 3"
+        raise ConfigError(f"bf16.master_weights=bf16 needs ZeRO (profile {profile.path.name} has stage 0): use "
+                          f"zero1, zero2 or zero3, or --set bf16.master_weights=fp32")
+    if profile.offload_optimizer and torch_adam:
+        # base_optimizer._configure_master_weights: offloaded bf16 masters need DeepSpeedCPUAdam (which
+        # DeepSpeed then builds with fp32_optimizer_states=False); torch's AdamW fails an assert
+        raise ConfigError(f"bf16.master_weights=bf16 with optimizer offload ({profile.path.name}) needs DeepSpeed's "
+                          f"CPU Adam: --set optim.impl=deepspeed (optim.impl=auto picks it on GPUs only; "
+                          f"JIT-built on first use), or a profile without offload (zero2, zero3)")
+    return {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+
+
 def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu: bool) -> dict[str, Any]:
     """Merge the profile's strategy with the run's values; conflicts name both sides."""
     sizes = derive_batch(run, world_size)
     values = _run_values(run, sizes, on_gpu, profile.offload_optimizer)
     values["data_types"] = {"grad_accum_dtype": grad_accum_dtype(run, profile)}
+    values["bf16"].update(bf16_master_flags(run, profile, values["optimizer"]["params"]["torch_adam"]))
     for key, theirs in profile.run_values.items():
         if theirs != values.get(key):
             raise ConfigError(

@@ -48,6 +48,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cpu-mem", help="memory per node (same units); not checked when omitted")
     p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--master-weights", default="fp32", choices=["fp32", "bf16"],
+                   help="the run's bf16.master_weights: bf16 keeps no fp32 master copy (10 instead of 16 bytes "
+                        "per trainable parameter; --precision bf16 only; docs/precision.md)")
     p.add_argument("--loss", default="siglip", choices=["siglip", "clip"])
     p.add_argument("--negatives", default="global", choices=["global", "local"])
     p.add_argument("--accumulation", default="global", choices=["global", "plain"])
@@ -67,7 +70,7 @@ def _overrides(row, args) -> list[str]:
             f"model.activation_checkpointing={str(row.checkpointing).lower()}",
             f"batch.micro_batch_size={row.micro}", f"batch.gradient_accumulation_steps={row.accumulation}",
             f"batch.accumulation={args.accumulation}", f"loss.name={args.loss}", f"loss.negatives={args.negatives}",
-            *args.set]
+            *([f"bf16.master_weights={args.master_weights}"] if args.master_weights != "fp32" else []), *args.set]
 
 
 def _finetune(args):
@@ -91,7 +94,8 @@ def _print_table(rows, best, args, spec) -> None:
     from rich.table import Table
 
     table = Table(title=f"{spec.name} ({spec.params / 1e6:.0f}M params, {spec.trainable / 1e6:.1f}M trainable) on {args.nodes} x {args.gpus} GPUs "
-                        f"of {args.gpu_mem}, global batch {args.global_batch}, {args.precision}")
+                        f"of {args.gpu_mem}, global batch {args.global_batch}, {args.precision}"
+                        f"{', bf16 masters' if args.master_weights == 'bf16' else ''}")
     for col in ("profile", "act. ckpt", "fits", "GiB/GPU", "allocated", "peak in", "CPU GiB/node", "max micro",
                 "micro x accum", "rel. speed"):
         table.add_column(col, justify="left" if col in ("profile", "peak in") else "right", no_wrap=col == "profile")
@@ -132,6 +136,8 @@ def _run(args):
     finetune = _finetune(args)
     if args.params and args.set:
         raise ConfigError("--set finetune.* needs a --model preset (a --params model has no towers to lock)")
+    if args.master_weights != "fp32" and args.precision != "bf16":
+        raise ConfigError(f"--master-weights {args.master_weights} applies to --precision bf16 only")
     spec = scaled_spec(args.params) if args.params else preset_spec(args.model, finetune)
     budget = Budget(args.gpus, args.nodes, parse_bytes(args.gpu_mem),
                     parse_bytes(args.cpu_mem) if args.cpu_mem else None)
@@ -140,7 +146,7 @@ def _run(args):
             raise ValueError("--intra-bw and --inter-bw are bandwidths in GB/s: give positive numbers")
         hw = Hardware(intra_bw=args.intra_bw * 1e9, inter_bw=args.inter_bw * 1e9)
         rows = plan(spec, budget, args.global_batch, args.precision, loss=args.loss,
-                    negatives=args.negatives, accumulation=args.accumulation, hw=hw)
+                    negatives=args.negatives, accumulation=args.accumulation, hw=hw, master=args.master_weights)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     best = recommend(rows)
@@ -148,7 +154,7 @@ def _run(args):
     doc = None
     if args.json:
         doc = {"model": spec.name, "params": spec.params, "trainable": spec.trainable,
-               "finetune": finetune.model_dump(), "gpus": budget.gpus,
+               "finetune": finetune.model_dump(), "master_weights": args.master_weights, "gpus": budget.gpus,
                "gpu_bytes": budget.gpu_bytes, "global_batch": args.global_batch, "nodes": args.nodes,
                "intra_bw_gbs": args.intra_bw, "inter_bw_gbs": args.inter_bw,
                "rows": [r.to_dict() for r in rows],

@@ -12,6 +12,9 @@ frozen, so its Ψ_image parameters keep their weights (4 bytes each, partitioned
 gradients or optimizer states; the tests compare with the same layout evaluated at Ψ_t = Ψ - Ψ_image
 (counted here from the model's vision tower) and with the full launch's bytes.
 
+A third launch (~20 s) counts ZeRO-1/2/3 in bf16 with `--set bf16.master_weights=bf16`: a bf16
+master and bf16 AdamW states, 6 bytes per parameter / W where fp32 masters hold 12.
+
 `--build-rss` (two more launches, ~1 minute, fp32, glibc's default allocator only) measures the host
 memory of building a ZeRO-3 run with the model built whole and inside deepspeed.zero.Init; the
 tests check the parameter bytes each rank held after each build against 4Ψ and 4Ψ/W.
@@ -188,6 +191,37 @@ def test_locked_activations_match_the_memory_model(lock_report, profile):
                                                     finetune, zero3=prof.stage == 3)
     assert row["activations"]["measured"] == pytest.approx(sum(per_sample.values()) * MICRO, rel=0.15), \
         row["activations"]
+
+
+# --------------------------------------------------------------------------- bf16.master_weights=bf16
+
+MASTERS = "bf16.master_weights=bf16"
+NO_OFFLOAD = ("zero1", "zero2", "zero3")   # the offload profiles need DeepSpeedCPUAdam: a JIT build
+
+
+@pytest.fixture(scope="module")
+def masters_report(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("bench_masters")
+    return run_benchmark("memory.py", "--preset", "tiny", "--precision", "bf16", "--steps", "2",
+                         "--micro", str(MICRO), "--set", MASTERS, "--profiles", *NO_OFFLOAD,
+                         out=tmp / "memory_bf16_masters.json", ranks=W, timeout=240)
+
+
+@pytest.mark.parametrize("profile", NO_OFFLOAD)
+def test_bf16_masters_hold_no_fp32_copy(masters_report, psi, profile):
+    """bf16 weights 2Ψ (2Ψ/W at stage 3); master + AdamW m + v 3 x 2 bytes = 6Ψ/W (12Ψ/W with fp32
+    masters); gradients between this rank's 2Ψ/W bf16 partition and a full 2Ψ."""
+    m = _row(masters_report, profile)["measured"]
+    assert m["params_gpu"] == pytest.approx(2 * psi / (W if profile == "zero3" else 1), rel=0.01), m
+    assert m["optimizer_gpu"] == pytest.approx(6 * psi / W, rel=0.01), m
+    assert 0.99 * 2 * psi / W <= m["grads_gpu"] <= 1.01 * 2 * psi, m
+
+
+@pytest.mark.parametrize("profile", NO_OFFLOAD)
+def test_bf16_masters_match_the_memory_model(masters_report, psi, profile):
+    prof, row = load_profile(profile), _row(masters_report, profile)
+    states = memory.model_state_bytes(psi, prof.stage, False, False, "bf16", W, W, master="bf16")
+    assert row["gpu"]["measured"] == pytest.approx(states.gpu, rel=0.10), row["measured"]
 
 
 # --------------------------------------------------------------------------- --build-rss
