@@ -1,0 +1,85 @@
+"""Launch a command in its own process group and measure it from outside: each output line
+stamped with its arrival time, the /proc counters (minor page faults, user and system CPU time) of
+the whole process tree when chosen lines arrive, and getrusage(RUSAGE_CHILDREN) around the whole
+run (every descendant reaped by then: launcher, ranks, loader workers). Used by
+benchmarks/throughput_openclip.py; nothing here knows a trainer."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+
+def tree_counters(pid: int) -> dict:
+    """Minor faults and user/system CPU seconds of a process and all its live descendants."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        pids = [pid] + [p.pid for p in root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    tick, minflt, utime, stime, n = os.sysconf("SC_CLK_TCK"), 0, 0, 0, 0
+    for p in pids:
+        try:   # fields after "pid (comm)": state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        minflt, utime, stime, n = minflt + int(fields[7]), utime + int(fields[11]), stime + int(fields[12]), n + 1
+    return {"minflt": minflt, "user_s": utime / tick, "sys_s": stime / tick, "processes": n}
+
+
+@dataclass
+class Launched:
+    rc: int
+    timed_out: bool
+    wall_s: float
+    steps: dict[int, dict]    # step -> the parsed log line + "t" (seconds since launch at its arrival)
+    marks: dict[int, dict]    # step -> tree_counters when its line arrived
+    rusage: dict              # the whole tree, whole run: RUSAGE_CHILDREN deltas
+
+
+def launch(cmd: list[str], env: dict, cwd: Path, timeout: float, parse: Callable[[str], dict | None],
+           mark_steps: set[int], log_path: Path) -> Launched:
+    """Run cmd in its own process group (stdout and stderr into `log_path`); `parse(line)` -> a
+    dict with "step" for the lines that report a step, None for the others. The first line of each
+    step is kept (with "t", seconds since launch); when it is one of `mark_steps`, the tree's
+    counters are read. The group is killed after `timeout` seconds."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    killed = threading.Event()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", bufsize=1, start_new_session=True)
+
+    def kill():
+        killed.set()
+        os.killpg(proc.pid, signal.SIGKILL)
+
+    timer = threading.Timer(timeout, kill)
+    timer.start()
+    steps, marks = {}, {}
+    try:
+        with open(log_path, "w") as log:
+            for line in proc.stdout:
+                t = time.perf_counter() - t0
+                log.write(line)
+                parsed = parse(line)
+                if parsed and parsed["step"] not in steps:
+                    steps[parsed["step"]] = {**parsed, "t": t}
+                    if parsed["step"] in mark_steps:
+                        marks[parsed["step"]] = {"t": t, **tree_counters(proc.pid)}
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    usage = {"minflt": after.ru_minflt - before.ru_minflt, "majflt": after.ru_majflt - before.ru_majflt,
+             "sys_s": after.ru_stime - before.ru_stime, "user_s": after.ru_utime - before.ru_utime}
+    return Launched(rc, killed.is_set(), wall, steps, marks, usage)
