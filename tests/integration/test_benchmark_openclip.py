@@ -1,0 +1,102 @@
+"""benchmarks/throughput.py --open-clip VENV --tiny: open_clip's own trainer against `rsclip-ds
+train`, every case once, on a tiny SigLIP shape (~90 s on 2 idle cores: 7 launches of 8 steps).
+
+Needs open_clip's environment, which this repository does not install (its trainer pins
+webdataset<=0.2.86): `bash benchmarks/openclip_env.sh runs/openclip-venv` (or set
+RSCLIP_OPENCLIP_VENV to one made elsewhere); the test is skipped without it. No timing
+assertions (the machine is shared); the assertions are on what each run did, as each tool
+logged it, and on what the driver derived from the logs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+from tests.integration.benchmark_helpers import run_benchmark
+from tests.integration.helpers import ROOT
+
+VENV = os.environ.get("RSCLIP_OPENCLIP_VENV", str(ROOT / "runs" / "openclip-venv"))
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    not os.path.isfile(os.path.join(VENV, "bin", "python")),
+    reason=f"no open_clip environment at {VENV}: create it with `bash benchmarks/openclip_env.sh {VENV}` "
+           f"(or point RSCLIP_OPENCLIP_VENV at one)")]
+
+
+def siglip_parameters(width: int, depth: int, mlp: int, patch: int, image: int, context: int, vocab: int) -> int:
+    """A SigLIP dual encoder's parameters, counted from the architecture (no model built)."""
+    linear = lambda i, o: i * o + o
+    norm = 2 * width
+    block = 2 * norm + 4 * linear(width, width) + linear(width, mlp) + linear(mlp, width)
+    vision = (3 * patch * patch * width + width) + (image // patch) ** 2 * width + depth * block + norm \
+        + width + 3 * linear(width, width) + linear(width, width) + norm + linear(width, mlp) + linear(mlp, width)
+    #   patch embedding, positions, blocks, post-norm, MAP head: probe, q/k/v, out, norm, MLP
+    text = vocab * width + context * width + depth * block + norm + linear(width, width)
+    return vision + text + 2   # + logit scale and bias
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("openclip")
+    return run_benchmark("throughput.py", "--open-clip", VENV, "--tiny", "--data", str(tmp / "data"),
+                         "--work", str(tmp / "work"), out=tmp / "throughput_openclip.json", ranks=None, timeout=420)
+
+
+def test_every_case_trained_its_steps_on_both_tools(report):
+    cfg = report["config"]
+    assert cfg["cases"] == ["open_clip/fp32", "rsclip_ds/zero1/fp32", "rsclip_ds/zero2/fp32", "open_clip/amp_bf16",
+                            "open_clip/pure_bf16", "rsclip_ds/zero1/bf16", "rsclip_ds/zero2/bf16"]
+    assert [r["case"] for r in report["runs"]] == cfg["cases"] * cfg["repeats"]
+    for r in report["runs"]:
+        assert r["ok"], r
+        # as each tool counts them: open_clip's last log line, rsclip_ds's summary.json
+        assert r["samples_trained"] == cfg["steps"] * cfg["micro"] * cfg["ranks"], r
+        assert r["steps_logged"] == cfg["steps"]
+        assert r["samples_per_s"] > 0 and 0 < r["startup_s"] < r["wall_s"]
+        # SigLIP at init (t = 10, b = -10): each positive pair costs ~10 (1 - cos), negatives ~0
+        assert abs(r["first_loss"] - 10) < 3 and math.isfinite(r["final_loss"]), r
+        assert r["final_loss"] < r["first_loss"], r
+
+
+def test_both_sides_train_the_same_number_of_parameters(report):
+    """Counted on the models each side builds (rsclip_ds's Hugging Face folder, open_clip's
+    create_model in its own environment), against the architecture's count."""
+    m, s = report["models"], report["models"]["shape"]
+    expected = siglip_parameters(s["width"], s["depth"], s["mlp"], s["patch"], s["image"], s["context"], s["vocab"])
+    assert m["rsclip_ds_parameters"] == expected
+    assert abs(m["open_clip_parameters"] / m["rsclip_ds_parameters"] - 1) < 0.005, m
+    assert m["open_clip_env"]["webdataset"].startswith("0.2.")   # its own environment, not ours (1.0.x)
+
+
+def test_the_rate_parsed_from_each_log_matches_the_line_arrivals(report):
+    """The samples/s derived from each tool's log (open_clip: per-step rates; rsclip_ds: rates
+    since step 1) against the same steps timed by the driver from the log lines' arrival."""
+    for r in report["runs"]:
+        assert r["samples_per_s_wall"] == pytest.approx(r["samples_per_s"], rel=0.05), r
+
+
+def test_the_whole_process_tree_was_measured(report):
+    """Launcher(s) + ranks + one loader worker per rank, all counted: torchrun's agent (open_clip)
+    or the deepspeed runner and its launch process (rsclip_ds)."""
+    cfg = report["config"]
+    launchers = {"open_clip": 1, "rsclip_ds": 2}
+    for r in report["runs"]:
+        steady = r["steady"]
+        assert steady["processes"] == launchers[r["tool"]] + cfg["ranks"] * (1 + cfg["workers"]), r
+        assert steady["steps"] == cfg["steps"] - cfg["skip"]
+        assert steady["minflt_per_step_per_rank"] > 0 and steady["user_ms_per_step"] > 0
+        whole = r["whole_run"]
+        assert whole["minflt"] >= steady["minflt"] and whole["user_s"] >= steady["user_s"]
+
+
+def test_ratios_are_paired_within_each_repeat(report):
+    runs = {(r["case"], r["repeat"]): r["samples_per_s"] for r in report["runs"]}
+    ratios = report["summary"]["ratios"]
+    assert set(ratios) == {f"rsclip_ds/{p}/fp32 / open_clip/fp32" for p in ("zero1", "zero2")} | \
+        {f"rsclip_ds/{p}/bf16 / open_clip/{oc}" for p in ("zero1", "zero2") for oc in ("amp_bf16", "pure_bf16")}
+    for name, r in ratios.items():
+        ours, theirs = name.split(" / ")
+        assert r["per_repeat"] == [runs[ours, k] / runs[theirs, k] for k in range(report["config"]["repeats"])]
+        assert r["min"] <= r["median"] <= r["max"]
