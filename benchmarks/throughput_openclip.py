@@ -93,6 +93,18 @@ TINY = Bench("tiny", steps=8, repeats=1, skip=3, micro=8, ranks=2, workers=1, th
              num_train=256, shard_size=32, warmup=3, timeout_s=240.0)
 
 
+def one_rank_bench(shape: str, micro: int, steps: int, workers: int, timeout_s: float, device: str) -> Bench:
+    """benchmarks/gpu.py --open-clip: one rank (a GPU; a CPU rank in its smoke test). The first
+    quarter of the steps is left out (CUDA context, allocator and kernel selection warm up); the
+    shards hold every sample the run trains on, at least one shard per loader worker (open_clip
+    asserts it)."""
+    shard = max(micro, 64)
+    shards = max(-(-steps * micro // shard), workers)
+    return Bench(shape, steps=steps, repeats=1, skip=max(1, steps // 4), micro=micro, ranks=1, workers=workers,
+                 threads=1, device=device, num_train=shards * shard, shard_size=shard, warmup=min(10, steps - 1),
+                 timeout_s=timeout_s)
+
+
 def cases(openclip_precisions, profiles, precisions) -> list[Case]:
     """The run order within a repeat: each open_clip case right before the rsclip_ds cases
     compared with it (the same machine state for a pair)."""

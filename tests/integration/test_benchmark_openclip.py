@@ -1,5 +1,6 @@
 """benchmarks/throughput.py --open-clip VENV --tiny: open_clip's own trainer against `rsclip-ds
-train`, every case once, on a tiny SigLIP shape (~90 s on 2 idle cores: 7 launches of 8 steps).
+train`, every case once, on a tiny SigLIP shape (~90 s on 2 idle cores: 7 launches of 8 steps);
+and benchmarks/gpu.py --open-clip's one-rank comparison on the CPU (~40 s).
 
 Needs open_clip's environment, which this repository does not install (its trainer pins
 webdataset<=0.2.86): `bash benchmarks/openclip_env.sh runs/openclip-venv` (or set
@@ -100,3 +101,23 @@ def test_ratios_are_paired_within_each_repeat(report):
         ours, theirs = name.split(" / ")
         assert r["per_repeat"] == [runs[ours, k] / runs[theirs, k] for k in range(report["config"]["repeats"])]
         assert r["min"] <= r["median"] <= r["max"]
+
+
+@pytest.fixture(scope="module")
+def gpu_report(tmp_path_factory) -> dict:
+    """benchmarks/gpu.py --open-clip on CPU with the tiny shape: its one-rank comparison (~40 s)."""
+    tmp = tmp_path_factory.mktemp("openclip_gpu")
+    return run_benchmark("gpu.py", "--open-clip", VENV, "--model", "tiny", "--openclip-steps", "8",
+                         "--loader-workers", "1", out=tmp / "gpu_openclip.json", ranks=None, timeout=300)
+
+
+def test_gpu_script_compares_on_one_rank(gpu_report):
+    cfg = gpu_report["config"]
+    assert (cfg["ranks"], cfg["shape"], cfg["steps"], cfg["skip"]) == (1, "tiny", 8, 2)
+    assert cfg["cases"] == ["open_clip/amp_bf16", "open_clip/pure_bf16", "rsclip_ds/zero2/bf16"]
+    for r in gpu_report["runs"]:
+        assert r["ok"], r
+        assert r["samples_trained"] == cfg["steps"] * cfg["micro"] and r["samples_per_s"] > 0
+        assert r["steady"]["processes"] == {"open_clip": 1, "rsclip_ds": 2}[r["tool"]] + 2   # rank + worker
+    assert set(gpu_report["summary"]["ratios"]) == {"rsclip_ds/zero2/bf16 / open_clip/amp_bf16",
+                                                     "rsclip_ds/zero2/bf16 / open_clip/pure_bf16"}
