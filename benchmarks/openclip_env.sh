@@ -2,7 +2,8 @@
 # An isolated environment for open_clip's own trainer (open_clip_train), for the open_clip column
 # of the throughput benchmark (docs/benchmarks.md, "Against open_clip"):
 #
-#   bash benchmarks/openclip_env.sh runs/openclip-venv        (~2 minutes; ~1.5 GB)
+#   bash benchmarks/openclip_env.sh runs/openclip-venv        (~1 minute; 1.4 GB)
+#   OPENCLIP_SYSTEM_TORCH=1 bash benchmarks/openclip_env.sh VENV   (a GPU host: its own CUDA torch)
 #   python benchmarks/throughput.py --open-clip runs/openclip-venv --out benchmarks/results/throughput_openclip.json
 #
 # Why a venv of its own: open-clip-torch[training] pins webdataset<=0.2.86, rsclip_ds needs >=1.0.2.
@@ -31,17 +32,28 @@ OPEN_CLIP=3.3.0       # newest on PyPI when tested
 TORCH=2.13.0          # rsclip_ds's torch; resolves to the CPU wheel here
 TORCHVISION=0.28.0    # the torchvision release for torch 2.13
 WEBDATASET=0.2.86     # the newest open-clip-torch[training] allows
-TIMM=1.0.31          # newest when tested
+TIMM=1.0.31           # newest when tested
 
-"$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --quiet)
 CONSTRAINTS=$(mktemp)
 trap 'rm -f "$CONSTRAINTS"' EXIT
-printf 'torch==%s\ntorchvision==%s\n' "$TORCH" "$TORCHVISION" > "$CONSTRAINTS"
-
-"${PIP[@]}" "torch==$TORCH"
-# --no-deps: its only requirement is torch==2.13.0, installed above; nothing may swap the torch
-"${PIP[@]}" --no-deps "torchvision==$TORCHVISION"
+SYSTEM_TORCH=${OPENCLIP_SYSTEM_TORCH:-0}
+if [ "$SYSTEM_TORCH" = 1 ]; then
+  # A GPU host: the torch (CUDA build) and matching torchvision of $PY's environment, seen through
+  # --system-site-packages and pinned there; the venv's own webdataset 0.2.86 shadows the system's.
+  # Offline hosts: PIP_NO_INDEX=1 PIP_FIND_LINKS=<a folder of the wheels> (docs/benchmarks.md).
+  "$PY" -c 'import torch, torchvision' || {
+    echo "OPENCLIP_SYSTEM_TORCH=1: torch and torchvision must import in $PY's environment" >&2; exit 1; }
+  "$PY" -m venv --system-site-packages "$VENV"
+  "$VENV/bin/python" -c 'import torch, torchvision; print(f"torch=={torch.__version__}\ntorchvision=={torchvision.__version__}")' \
+    > "$CONSTRAINTS"
+else
+  "$PY" -m venv "$VENV"
+  printf 'torch==%s\ntorchvision==%s\n' "$TORCH" "$TORCHVISION" > "$CONSTRAINTS"
+  "${PIP[@]}" "torch==$TORCH"
+  # --no-deps: its only requirement is torch==2.13.0, installed above; nothing may swap the torch
+  "${PIP[@]}" --no-deps "torchvision==$TORCHVISION"
+fi
 "${PIP[@]}" -c "$CONSTRAINTS" "open-clip-torch[training]==$OPEN_CLIP" "timm==$TIMM" "webdataset==$WEBDATASET"
 
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -63,7 +75,7 @@ patch_file() {
   echo "patched: $file ($count lines)"
 }
 
-patch_file "$SITE/torchvision/_meta_registrations.py" 2 \
+[ "$SYSTEM_TORCH" = 1 ] || patch_file "$SITE/torchvision/_meta_registrations.py" 2 \
   's/^@torch\.library\.register_fake\(("torchvision::q?nms")\)$/@(torch.library.register_fake(\1) if torchvision.extension._has_ops() else (lambda fn: fn))/' \
   'if torchvision.extension._has_ops() else (lambda fn: fn))'
 patch_file "$SITE/open_clip_train/main.py" 2 \
@@ -74,6 +86,5 @@ patch_file "$SITE/open_clip_train/main.py" 2 \
 import open_clip, open_clip_train.main, timm, torch, torchvision, webdataset
 print(f"open_clip {open_clip.__version__}, torch {torch.__version__}, torchvision {torchvision.__version__}, "
       f"timm {timm.__version__}, webdataset {webdataset.__version__}")
-assert torch.version.cuda is None, f"torch {torch.__version__} is not the CPU build"
 EOF
 echo "open_clip environment ready: $VENV"
