@@ -83,3 +83,29 @@ def launch(cmd: list[str], env: dict, cwd: Path, timeout: float, parse: Callable
     usage = {"minflt": after.ru_minflt - before.ru_minflt, "majflt": after.ru_majflt - before.ru_majflt,
              "sys_s": after.ru_stime - before.ru_stime, "user_s": after.ru_utime - before.ru_utime}
     return Launched(rc, killed.is_set(), wall, steps, marks, usage)
+
+
+def cpu_busy(seconds: float = 1.0) -> float:
+    """The fraction of all cores' time spent busy over the next `seconds` (/proc/stat)."""
+    def snapshot() -> tuple[int, int]:
+        # cpu  user nice system idle iowait irq softirq steal (guest time is already in user)
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        return sum(ticks), ticks[3] + ticks[4]
+
+    total0, idle0 = snapshot()
+    time.sleep(seconds)
+    total1, idle1 = snapshot()
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_quiet(limit_s: float, threshold: float = 0.15, say: Callable[[str], None] = print) -> float:
+    """Before a timed launch on a shared machine: wait until other processes leave the cores
+    idle (busy below `threshold`), at most `limit_s` seconds -> the last busy fraction."""
+    busy, t0, told = cpu_busy(), time.perf_counter(), False
+    while busy >= threshold and time.perf_counter() - t0 < limit_s:
+        if not told:
+            say(f"machine {100 * busy:.0f}% busy: waiting up to {limit_s:.0f}s for it to go quiet")
+            told = True
+        time.sleep(5.0)
+        busy = cpu_busy()
+    return busy

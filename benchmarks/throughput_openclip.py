@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Callable
 
 from harness import ROOT, deepspeed_cmd, environment, free_port, synthetic_data, write_report
-from launch_measure import launch
+from launch_measure import launch, wait_quiet
 from openclip_shapes import SHAPES, write_hf_folder, write_openclip_dir
 from throughput_openclip_report import plot, print_tables
 
@@ -249,8 +249,9 @@ TOOLS = {"open_clip": (parse_openclip, openclip_rate), "rsclip_ds": (parse_rscli
 
 # --------------------------------------------------------------------------- one run
 
-def run_case(bench: Bench, case: Case, inputs: Inputs, run_dir: Path) -> dict:
-    """One launch -> its row (ok False with the reason and the log's tail when it failed)."""
+def run_case(bench: Bench, case: Case, inputs: Inputs, run_dir: Path, quiet_s: float = 0.0) -> dict:
+    """One launch -> its row (ok False with the reason and the log's tail when it failed). First
+    waits up to `quiet_s` for the machine to go quiet; the CPU busy fraction then is recorded."""
     run_dir.mkdir(parents=True, exist_ok=True)
     port, global_batch = free_port(), bench.micro * bench.ranks
     if case.tool == "open_clip":
@@ -258,10 +259,10 @@ def run_case(bench: Bench, case: Case, inputs: Inputs, run_dir: Path) -> dict:
     else:
         cmd = rsclip_cmd(bench, case, inputs, port, run_dir / "out")
     parse, rate = TOOLS[case.tool]
-    load = os.getloadavg()[0]
+    busy = wait_quiet(quiet_s)
     r = launch(cmd, tool_env(case.tool, bench.device, bench.threads), run_dir, bench.timeout_s,
                lambda line: parse(line, global_batch), {bench.skip, bench.steps}, run_dir / "log.txt")
-    row = {"case": case.name, **asdict(case), "ok": False, "loadavg_1m_before": load, "wall_s": r.wall_s,
+    row = {"case": case.name, **asdict(case), "ok": False, "cpu_busy_before": busy, "wall_s": r.wall_s,
            "log": str(run_dir / "log.txt"), "command": cmd}
     missing = [s for s in (1, bench.skip, bench.steps) if s not in r.steps]
     if r.rc != 0 or missing or set(r.marks) != {bench.skip, bench.steps}:
@@ -297,7 +298,7 @@ def trained_samples(case: Case, last: dict, run_dir: Path) -> int:
 # --------------------------------------------------------------------------- repeats and summary
 
 def compare(bench: Bench, todo: list[Case], venv: Path, data_root: Path, work: Path,
-            say: Callable[[str], None] = print) -> dict:
+            say: Callable[[str], None] = print, quiet_s: float = 0.0) -> dict:
     """Every case once per repeat, interleaved -> the report (rows, summary, models, config)."""
     t0 = time.perf_counter()
     inputs, models = prepare(bench, check_venv(venv), data_root)
@@ -308,12 +309,12 @@ def compare(bench: Bench, todo: list[Case], venv: Path, data_root: Path, work: P
     for repeat in range(bench.repeats):
         for case in todo:
             run_dir = work.resolve() / stamp / f"r{repeat}-{case.name.replace('/', '-')}"
-            rows.append({"repeat": repeat, **run_case(bench, case, inputs, run_dir)})
+            rows.append({"repeat": repeat, **run_case(bench, case, inputs, run_dir, quiet_s)})
             r = rows[-1]
             status = (f"{r['samples_per_s']:7.2f} samples/s, start-up {r['startup_s']:5.1f}s, "
                       f"{r['steady']['minflt_per_step_per_rank']:8.0f} minor faults/step/rank"
                       if r["ok"] else r["error"])
-            say(f"repeat {repeat} {case.name:<26} {status}  (load {r['loadavg_1m_before']:.1f})")
+            say(f"repeat {repeat} {case.name:<26} {status}  (CPU {100 * r['cpu_busy_before']:.0f}% busy before)")
     return {"config": {**asdict(bench), "cases": [c.name for c in todo], "paired": PAIRED},
             "models": models, "environment": environment(bench.threads, ranks=bench.ranks, device=bench.device),
             "runs": rows, "summary": summarize(rows, todo), "work": str(work.resolve() / stamp),
@@ -337,6 +338,7 @@ def summarize(rows: list[dict], todo: list[Case]) -> dict:
             "runs": len(rs), "samples_per_s": _spread([r["samples_per_s"] for r in rs]),
             "samples_per_s_wall": _spread([r["samples_per_s_wall"] for r in rs]),
             "startup_s": _spread([r["startup_s"] for r in rs]),
+            "cpu_busy_before": _spread([r["cpu_busy_before"] for r in rs]),
             "minflt_per_step_per_rank": _spread([r["steady"]["minflt_per_step_per_rank"] for r in rs]),
             "sys_ms_per_step": _spread([r["steady"]["sys_ms_per_step"] for r in rs]),
             "user_ms_per_step": _spread([r["steady"]["user_ms_per_step"] for r in rs]),
@@ -375,6 +377,9 @@ def parse_args(argv):
     parser.add_argument("--work", type=Path, default=Path("runs/bench_openclip"), help="every run's log and output")
     parser.add_argument("--timeout", type=float, help="seconds before a run is killed")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                        help="before each run, wait up to this long for other processes to leave the cores idle "
+                             "(a shared machine); the busy fraction before each run is recorded either way")
     parser.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)   # throughput.py's, unused
     return parser.parse_args(argv)
 
@@ -392,7 +397,8 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     bench = bench_config(args)
     todo = cases(args.openclip_precisions, args.profiles, args.precisions)
-    report = compare(bench, todo, args.open_clip, args.data, args.work, say=lambda m: print(m, flush=True))
+    report = compare(bench, todo, args.open_clip, args.data, args.work, say=lambda m: print(m, flush=True),
+                     quiet_s=args.wait_quiet)
     report["config"]["tiny"] = args.tiny
     write_report(report, args.out, print_tables, plot)
     print(f"wrote {args.out} in {report['seconds']:.0f}s")

@@ -18,7 +18,7 @@ def print_tables(report: dict) -> None:
     from rich.table import Table
 
     cfg, m = report["config"], report["models"]
-    console = Console(width=160)
+    console = Console(width=190)
     console.print(f"model {cfg['shape']}: rsclip_ds {m['rsclip_ds_parameters']:,} parameters, open_clip "
                   f"{m['open_clip_parameters']:,} ({m['open_clip_over_rsclip_ds']:.4f}x); open_clip env "
                   f"{m['open_clip_env']}")
@@ -27,18 +27,18 @@ def print_tables(report: dict) -> None:
                         f"per rank, {cfg['repeats']} interleaved repeats)")
     table.add_column("case", no_wrap=True)
     for col in ("median", "min..max", "line-arrival median", "start-up s", "minor faults /step/rank",
-                "sys ms/step", "user ms/step", "whole run: faults /step/rank", "sys ms/step"):
+                "sys ms/step", "user ms/step", "whole run: faults /step/rank", "sys ms/step", "busy before, max"):
         table.add_column(col, justify="right")
     for name, c in report["summary"]["cases"].items():
         if not c["runs"]:
-            table.add_row(name, "failed", *[""] * 8)
+            table.add_row(name, "failed", *[""] * 9)
             continue
         rate = c["samples_per_s"]
         table.add_row(name, f"{rate['median']:.2f}", _mm(rate), f"{c['samples_per_s_wall']['median']:.2f}",
                       f"{c['startup_s']['median']:.1f}", f"{c['minflt_per_step_per_rank']['median']:.0f}",
                       f"{c['sys_ms_per_step']['median']:.0f}", f"{c['user_ms_per_step']['median']:.0f}",
                       f"{c['whole_run_minflt_per_step_per_rank']['median']:.0f}",
-                      f"{c['whole_run_sys_ms_per_step']['median']:.0f}")
+                      f"{c['whole_run_sys_ms_per_step']['median']:.0f}", f"{100 * c['cpu_busy_before']['max']:.0f}%")
     console.print(table)
     ratios = Table(title="rsclip_ds / open_clip, paired within each repeat (> 1: rsclip_ds faster)")
     ratios.add_column("ratio", no_wrap=True)
