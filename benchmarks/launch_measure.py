@@ -42,7 +42,7 @@ class Launched:
     timed_out: bool
     wall_s: float
     steps: dict[int, dict]    # step -> the parsed log line + "t" (seconds since launch at its arrival)
-    marks: dict[int, dict]    # step -> tree_counters when its line arrived
+    marks: dict[int, dict]    # step -> tree_counters and machine_seconds when its line arrived
     rusage: dict              # the whole tree, whole run: RUSAGE_CHILDREN deltas
 
 
@@ -74,7 +74,7 @@ def launch(cmd: list[str], env: dict, cwd: Path, timeout: float, parse: Callable
                 if parsed and parsed["step"] not in steps:
                     steps[parsed["step"]] = {**parsed, "t": t}
                     if parsed["step"] in mark_steps:
-                        marks[parsed["step"]] = {"t": t, **tree_counters(proc.pid)}
+                        marks[parsed["step"]] = {"t": t, **tree_counters(proc.pid), "machine": machine_seconds()}
         rc = proc.wait()
     finally:
         timer.cancel()
@@ -85,17 +85,29 @@ def launch(cmd: list[str], env: dict, cwd: Path, timeout: float, parse: Callable
     return Launched(rc, killed.is_set(), wall, steps, marks, usage)
 
 
-def cpu_busy(seconds: float = 1.0) -> float:
-    """The fraction of all cores' time spent busy over the next `seconds` (/proc/stat)."""
-    def snapshot() -> tuple[int, int]:
-        # cpu  user nice system idle iowait irq softirq steal (guest time is already in user)
-        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        return sum(ticks), ticks[3] + ticks[4]
+def machine_seconds() -> dict:
+    """CPU seconds of all cores since boot, all and busy (/proc/stat)."""
+    # cpu  user nice system idle iowait irq softirq steal (guest time is already in user)
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    tick = os.sysconf("SC_CLK_TCK")
+    return {"all_s": sum(ticks) / tick, "busy_s": (sum(ticks) - ticks[3] - ticks[4]) / tick}
 
-    total0, idle0 = snapshot()
+
+def cpu_busy(seconds: float = 1.0) -> float:
+    """The fraction of all cores' time spent busy over the next `seconds`."""
+    before = machine_seconds()
     time.sleep(seconds)
-    total1, idle1 = snapshot()
-    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+    after = machine_seconds()
+    return (after["busy_s"] - before["busy_s"]) / max(1e-9, after["all_s"] - before["all_s"])
+
+
+def foreign_share(first: dict, last: dict) -> float:
+    """Between two marks: the share of all cores' time that processes outside the tree used (other
+    jobs on a shared machine; 0 on an idle one, up to the kernel's own work)."""
+    all_s = last["machine"]["all_s"] - first["machine"]["all_s"]
+    busy = last["machine"]["busy_s"] - first["machine"]["busy_s"]
+    tree = (last["user_s"] + last["sys_s"]) - (first["user_s"] + first["sys_s"])
+    return max(0.0, busy - tree) / max(1e-9, all_s)
 
 
 def wait_quiet(limit_s: float, threshold: float = 0.15, say: Callable[[str], None] = print) -> float:

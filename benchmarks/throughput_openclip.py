@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Callable
 
 from harness import ROOT, deepspeed_cmd, environment, free_port, synthetic_data, write_report
-from launch_measure import launch, wait_quiet
+from launch_measure import foreign_share, launch, wait_quiet
 from openclip_shapes import SHAPES, write_hf_folder, write_openclip_dir
 from throughput_openclip_report import plot, print_tables
 
@@ -279,6 +279,7 @@ def run_case(bench: Bench, case: Case, inputs: Inputs, run_dir: Path, quiet_s: f
         steps_logged=len(r.steps), first_loss=r.steps[1]["loss"], final_loss=r.steps[bench.steps]["loss"],
         samples_trained=trained_samples(case, r.steps[bench.steps], run_dir),
         steady={"steps": n, "processes": window[1]["processes"], **steady,
+                "foreign_cpu_share": foreign_share(*window),   # other jobs' share of the cores meanwhile
                 "minflt_per_step_per_rank": steady["minflt"] / n / bench.ranks,
                 "sys_ms_per_step": 1e3 * steady["sys_s"] / n, "user_ms_per_step": 1e3 * steady["user_s"] / n},
         whole_run={**r.rusage, "minflt_per_step_per_rank": r.rusage["minflt"] / bench.steps / bench.ranks,
@@ -339,6 +340,7 @@ def summarize(rows: list[dict], todo: list[Case]) -> dict:
             "samples_per_s_wall": _spread([r["samples_per_s_wall"] for r in rs]),
             "startup_s": _spread([r["startup_s"] for r in rs]),
             "cpu_busy_before": _spread([r["cpu_busy_before"] for r in rs]),
+            "foreign_cpu_share": _spread([r["steady"]["foreign_cpu_share"] for r in rs]),
             "minflt_per_step_per_rank": _spread([r["steady"]["minflt_per_step_per_rank"] for r in rs]),
             "sys_ms_per_step": _spread([r["steady"]["sys_ms_per_step"] for r in rs]),
             "user_ms_per_step": _spread([r["steady"]["user_ms_per_step"] for r in rs]),

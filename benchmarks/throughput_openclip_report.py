@@ -27,7 +27,7 @@ def print_tables(report: dict) -> None:
                         f"per rank, {cfg['repeats']} interleaved repeats)")
     table.add_column("case", no_wrap=True)
     for col in ("median", "min..max", "line-arrival median", "start-up s", "minor faults /step/rank",
-                "sys ms/step", "user ms/step", "whole run: faults /step/rank", "sys ms/step", "busy before, max"):
+                "sys ms/step", "user ms/step", "whole run: faults /step/rank", "sys ms/step", "others' CPU share, max"):
         table.add_column(col, justify="right")
     for name, c in report["summary"]["cases"].items():
         if not c["runs"]:
@@ -38,7 +38,7 @@ def print_tables(report: dict) -> None:
                       f"{c['startup_s']['median']:.1f}", f"{c['minflt_per_step_per_rank']['median']:.0f}",
                       f"{c['sys_ms_per_step']['median']:.0f}", f"{c['user_ms_per_step']['median']:.0f}",
                       f"{c['whole_run_minflt_per_step_per_rank']['median']:.0f}",
-                      f"{c['whole_run_sys_ms_per_step']['median']:.0f}", f"{100 * c['cpu_busy_before']['max']:.0f}%")
+                      f"{c['whole_run_sys_ms_per_step']['median']:.0f}", f"{100 * c['foreign_cpu_share']['max']:.0f}%")
     console.print(table)
     ratios = Table(title="rsclip_ds / open_clip, paired within each repeat (> 1: rsclip_ds faster)")
     ratios.add_column("ratio", no_wrap=True)

@@ -88,6 +88,7 @@ def test_the_whole_process_tree_was_measured(report):
         assert steady["processes"] == launchers[r["tool"]] + cfg["ranks"] * (1 + cfg["workers"]), r
         assert steady["steps"] == cfg["steps"] - cfg["skip"]
         assert steady["minflt_per_step_per_rank"] > 0 and steady["user_ms_per_step"] > 0
+        assert 0 <= steady["foreign_cpu_share"] <= 1 and 0 <= r["cpu_busy_before"] <= 1
         whole = r["whole_run"]
         assert whole["minflt"] >= steady["minflt"] and whole["user_s"] >= steady["user_s"]
 
