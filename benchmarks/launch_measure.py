@@ -76,6 +76,12 @@ def launch(cmd: list[str], env: dict, cwd: Path, timeout: float, parse: Callable
                     if parsed["step"] in mark_steps:
                         marks[parsed["step"]] = {"t": t, **tree_counters(proc.pid), "machine": machine_seconds()}
         rc = proc.wait()
+    except BaseException:
+        # the driver itself stopped (Ctrl-C, SIGTERM): the group is in its own session, so nothing
+        # else would stop it (the deepspeed runner does not forward SIGTERM to the ranks)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     finally:
         timer.cancel()
     wall = time.perf_counter() - t0

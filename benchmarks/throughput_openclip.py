@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -397,6 +398,7 @@ def bench_config(args) -> Bench:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwinds through launch(), which stops the run
     bench = bench_config(args)
     todo = cases(args.openclip_precisions, args.profiles, args.precisions)
     report = compare(bench, todo, args.open_clip, args.data, args.work, say=lambda m: print(m, flush=True),
