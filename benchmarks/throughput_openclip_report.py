@@ -47,6 +47,10 @@ def print_tables(report: dict) -> None:
     for name, r in report["summary"]["ratios"].items():
         ratios.add_row(name, f"{r['median']:.3f}", _mm(r, ".3f"), " ".join(f"{x:.3f}" for x in r["per_repeat"]))
     console.print(ratios)
+    discarded = sum(len(r.get("discarded_attempts", [])) for r in report["runs"])
+    if discarded:
+        console.print(f"{discarded} attempt(s) run again: other processes took more than "
+                      f"{100 * cfg.get('max_foreign', 1):.0f}% of the cores during their timed steps")
     for r in report["runs"]:
         if not r["ok"]:
             console.print(f"FAILED repeat {r['repeat']} {r['case']}: {r['error']} (log: {r['log']})", markup=False)
