@@ -3,9 +3,10 @@ model, shards and settings, each launched the way its users launch it.
 
     bash benchmarks/openclip_env.sh runs/openclip-venv          # once: open_clip's own environment
     python benchmarks/throughput.py --open-clip runs/openclip-venv --out benchmarks/results/throughput_openclip.json
-    python benchmarks/throughput.py --open-clip runs/openclip-venv --tiny --out /tmp/oc.json   # ~3 minutes
+    python benchmarks/throughput.py --open-clip runs/openclip-venv --tiny --out /tmp/oc.json   # ~90 s
 
-The full run: 7 cases x 3 interleaved repeats of 60 steps, ~25 minutes on 2 cores. This is a plain
+The full run: 7 cases x 3 interleaved repeats of 60 steps, ~30 minutes on 2 idle cores (on a
+shared machine add --wait-quiet 1800 --max-foreign 0.1: see parse_args). This is a plain
 process; every run is a subprocess, one at a time:
   open_clip   VENV/bin/python -m torch.distributed.run --nproc_per_node 2 benchmarks/openclip_main.py
               --siglip --precision fp32 | amp_bf16 | pure_bf16 ...  (open_clip_train.main, DDP)
@@ -22,7 +23,8 @@ Measured per run, from each tool's own log: samples/s over steps skip+1..N (defa
 start-up (launch to the end of step 1: the step-1 log line's arrival), and, from the kernel, the
 minor page faults and the system (kernel) CPU time of the whole launched process tree: over the
 same steps (/proc/<pid>/stat of every process of the tree, read when the step-`skip` and step-N
-lines arrive) and over the whole run (getrusage(RUSAGE_CHILDREN) before and after). Repeats are
+lines arrive) and over the whole run (getrusage(RUSAGE_CHILDREN) before and after); and the share
+of the cores other processes took meanwhile (/proc/stat less the tree). Repeats are
 interleaved (every case once per repeat); ratios are paired within a repeat (rsclip_ds case / the
 open_clip case of the same precision: fp32 / fp32, bf16 / amp_bf16 and bf16 / pure_bf16); the
 report gives medians and min..max.
