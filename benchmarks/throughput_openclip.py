@@ -303,12 +303,14 @@ def trained_samples(case: Case, last: dict, run_dir: Path) -> int:
 
 def compare(bench: Bench, todo: list[Case], venv: Path, data_root: Path, work: Path,
             say: Callable[[str], None] = print, quiet_s: float = 0.0, max_foreign: float = 1.0,
-            attempts: int = 3) -> dict:
+            attempts: int = 3, partial: Path | None = None) -> dict:
     """Every case once per repeat, interleaved -> the report (rows, summary, models, config). A
     run during which other processes took more than `max_foreign` of the cores is run again
     (after waiting up to `quiet_s` for quiet), `attempts` times at most; the row keeps what the
-    discarded attempts measured."""
+    discarded attempts measured. `partial`: the report so far is written there after every run
+    (a long run stopped early keeps what it measured)."""
     t0 = time.perf_counter()
+    config = {**asdict(bench), "cases": [c.name for c in todo], "paired": PAIRED}
     inputs, models = prepare(bench, check_venv(venv), data_root)
     say(f"model {bench.shape}: rsclip_ds {models['rsclip_ds_parameters']:,} parameters, open_clip "
         f"{models['open_clip_parameters']:,} ({models['open_clip_over_rsclip_ds']:.4f}x)")
@@ -328,12 +330,14 @@ def compare(bench: Bench, todo: list[Case], venv: Path, data_root: Path, work: P
                     f"({r['samples_per_s']:.2f} samples/s): run again")
                 discarded.append({"samples_per_s": r["samples_per_s"], "foreign_cpu_share": foreign, "log": r["log"]})
             rows.append({**r, "discarded_attempts": discarded})
+            if partial is not None:
+                partial.write_text(json.dumps({"config": config, "models": models, "runs": rows,
+                                               "summary": summarize(rows, todo)}, indent=2) + "\n")
             status = (f"{r['samples_per_s']:7.2f} samples/s, start-up {r['startup_s']:5.1f}s, "
                       f"{r['steady']['minflt_per_step_per_rank']:8.0f} minor faults/step/rank"
                       if r["ok"] else r["error"])
             say(f"repeat {repeat} {case.name:<26} {status}  (CPU {100 * r['cpu_busy_before']:.0f}% busy before)")
-    return {"config": {**asdict(bench), "cases": [c.name for c in todo], "paired": PAIRED},
-            "models": models, "environment": environment(bench.threads, ranks=bench.ranks, device=bench.device),
+    return {"config": config, "models": models, "environment": environment(bench.threads, ranks=bench.ranks, device=bench.device),
             "runs": rows, "summary": summarize(rows, todo), "work": str(work.resolve() / stamp),
             "seconds": time.perf_counter() - t0}
 
@@ -419,8 +423,11 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwinds through launch(), which stops the run
     bench = bench_config(args)
     todo = cases(args.openclip_precisions, args.profiles, args.precisions)
+    partial = args.out.with_suffix(".partial.json")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     report = compare(bench, todo, args.open_clip, args.data, args.work, say=lambda m: print(m, flush=True),
-                     quiet_s=args.wait_quiet, max_foreign=args.max_foreign)
+                     quiet_s=args.wait_quiet, max_foreign=args.max_foreign, partial=partial)
+    partial.unlink(missing_ok=True)
     report["config"].update(wait_quiet_s=args.wait_quiet, max_foreign=args.max_foreign)
     report["config"]["tiny"] = args.tiny
     write_report(report, args.out, print_tables, plot)
