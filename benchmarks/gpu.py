@@ -16,6 +16,12 @@ recorded with the reason and the others go on. CPU smoke tests (what the slow te
     DS_ACCELERATOR=cpu python benchmarks/gpu.py --model tiny --profiles zero2 --ac off --data tensor loader \
         --data-images 64 --data-px 64 --loader-workers 1 --out /tmp/gpu_tiny_loader.json
 
+Against open_clip on one GPU (docs/benchmarks.md, "Against open_clip"; VENV from
+benchmarks/openclip_env.sh, built on the GPU host), ~5 minutes; and its CPU smoke test (~1 minute):
+
+    python benchmarks/gpu.py --open-clip VENV --model git-rsclip-base --out benchmarks/results/gpu_h200_openclip.json
+    python benchmarks/gpu.py --open-clip VENV --model tiny --openclip-steps 8 --loader-workers 1 --out /tmp/gpu_oc.json
+
 Per configuration: samples/s (timed steps x micro / seconds, after warm-up, with a device sync
 at both ends), model FLOPs per sample (rsclip_ds.flops: 3 x the forward matmul FLOPs of both
 towers), MFU = FLOPs per sample x samples/s / peak bf16 FLOP/s of the device (989 TFLOP/s dense
@@ -313,14 +319,44 @@ def parse_args(argv):
     parser.add_argument("--loader-workers", type=int, default=8, help="data.num_workers of the loader cases")
     parser.add_argument("--data-images", type=int, default=2048, help="synthetic JPEGs the loader cases read")
     parser.add_argument("--data-px", type=int, default=256, help="their side in px (256: Git-10M's tiles)")
+    parser.add_argument("--open-clip", type=Path, metavar="VENV",
+                        help="run the open_clip comparison instead: open_clip's trainer (amp_bf16, pure_bf16) "
+                             "against rsclip-ds train (zero2, bf16) on one GPU, the shape of the first --model "
+                             "(git-rsclip-base, or tiny for a CPU smoke test); VENV from benchmarks/openclip_env.sh")
+    parser.add_argument("--openclip-steps", type=int, default=40,
+                        help="--open-clip: steps per run; the rate leaves out the first quarter")
     parser.add_argument("--shards", help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
+def openclip_comparison(args) -> int:
+    """--open-clip VENV: benchmarks/throughput_openclip.py's comparison on one rank, the same
+    report (JSON + PNG + tables): open_clip_train (VENV's python, `torch.distributed.run
+    --nproc_per_node 1`) with --precision amp_bf16 / pure_bf16 against `deepspeed --num_gpus 1
+    --module rsclip_ds train` with zero2 bf16, the model of openclip_shapes.SHAPES[--model],
+    --micro (default MICRO), --loader-workers workers each, synthetic JPEGs at the model's size."""
+    import torch
+    from throughput_openclip import cases as openclip_cases
+    from throughput_openclip import compare, one_rank_bench
+    from throughput_openclip_report import plot, print_tables
+
+    shape = args.model[0]
+    bench = one_rank_bench(shape, args.micro or MICRO.get(shape, 8), args.openclip_steps, args.loader_workers,
+                           timeout_s=max(args.case_timeout, 300.0), device="cuda" if torch.cuda.is_available() else "cpu")
+    todo = openclip_cases(["amp_bf16", "pure_bf16"], ["zero2"], ["bf16"])
+    report = compare(bench, todo, args.open_clip, Path("runs/bench_data"), Path("runs/bench_openclip"),
+                     say=lambda m: print(m, flush=True))
+    write_report(report, args.out, print_tables, plot)
+    print(f"wrote {args.out} in {report['seconds']:.0f}s")
+    return 0 if all(r["ok"] for r in report["runs"]) else 1
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.open_clip:
+        return openclip_comparison(args)
     todo = cases(args.model, args.profiles, [a == "on" for a in args.ac], args.micro, args.data)
     if args.worker:
         row = run_case(todo[0], args)

@@ -158,18 +158,19 @@ def save_figure(plt, fig, path: Path) -> str:
 # --------------------------------------------------------------------------- data
 
 def synthetic_data(root: Path, rank: int, *, num_train: int, num_val: int, shard_size: int,
-                   eval_layout: bool = False) -> dict:
-    """Synthetic 64 px shards and a tokenizer trained on their captions, written by rank 0
-    once per size (reused when present); the other ranks wait.
+                   image_size: int = 64, eval_layout: bool = False) -> dict:
+    """Synthetic shards of `image_size` px JPEGs and a tokenizer trained on their captions,
+    written by rank 0 once per size (reused when present); the other ranks wait.
     -> {"train_pattern", "val_urls", "tokenizer"}; with ``eval_layout`` also the val split as
     the evaluation sets read it (make_synthetic's eval layout): "zero_shot_dir", "retrieval_json"."""
     from rsclip_ds.data.synthetic import make_synthetic
     from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
 
-    folder = Path(root) / f"synthetic_{num_train}_{num_val}_{shard_size}{'_eval' if eval_layout else ''}"
+    px = "" if image_size == 64 else f"_{image_size}px"   # 64 px: the folders the other benchmarks wrote
+    folder = Path(root) / f"synthetic_{num_train}_{num_val}_{shard_size}{px}{'_eval' if eval_layout else ''}"
     if rank == 0 and not (folder / "tokenizer" / "tokenizer.json").is_file():
         index = make_synthetic(folder, num_train=num_train, num_val=num_val, shard_size=shard_size,
-                               image_size=64, seed=0, progress=False, eval_layout=eval_layout)
+                               image_size=image_size, seed=0, progress=False, eval_layout=eval_layout)
         urls = [str(folder / s["url"]) for s in index["train"]]
         train_tokenizer(iter_captions(urls), folder / "tokenizer", vocab_size=500, max_length=64)
     if dist.is_initialized():
@@ -202,9 +203,9 @@ def run_script(script: Path, args: list[str], result: Path, timeout: float, *, r
             environ.pop(key, None)
         else:
             environ[key] = value
-    port = _free_port()
+    port = free_port()
     launcher = [sys.executable] if ranks is None else \
-        _deepspeed_cmd() + ["--num_gpus", str(ranks), "--master_port", str(port)]
+        deepspeed_cmd() + ["--num_gpus", str(ranks), "--master_port", str(port)]
     try:
         proc = subprocess.run(launcher + [str(script), *args], env=environ, capture_output=True, text=True,
                               timeout=timeout)
@@ -219,12 +220,12 @@ def run_script(script: Path, args: list[str], result: Path, timeout: float, *, r
     return out
 
 
-def _deepspeed_cmd() -> list[str]:
+def deepspeed_cmd() -> list[str]:
     exe = shutil.which("deepspeed")
     return [exe] if exe else [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -3,6 +3,11 @@
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 benchmarks/throughput.py --out benchmarks/results/throughput.json
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 benchmarks/throughput.py --tiny --out /tmp/throughput.json
 
+    python benchmarks/throughput.py --open-clip VENV_DIR --out benchmarks/results/throughput_openclip.json
+
+The last form (--open-clip) is another mode, in benchmarks/throughput_openclip.py: a plain
+process that launches open_clip's trainer and `rsclip-ds train` on the same model and data.
+
 Writes the JSON given by --out and a PNG beside it; rank 0 prints the tables. The full run takes
 ~8 minutes on 2 CPU ranks of a 2-core machine; --tiny ~2 minutes (start-up and engine builds).
 The Trainer column uses `accelerate`, which rsclip_ds installs (transformers' DeepSpeed
@@ -261,6 +266,11 @@ def loops_to_run(no_trainer: bool) -> tuple[list[str], list[str]]:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--open-clip" or a.startswith("--open-clip=") for a in argv):   # the open_clip comparison
+        from throughput_openclip import main as openclip_main
+
+        return openclip_main(argv)
     args = parse_args(argv)
     cfg = bench_config(args)
     with process_group(args.threads) as info:

@@ -1,0 +1,202 @@
+"""benchmarks/throughput.py --open-clip VENV --tiny: open_clip's own trainer against `rsclip-ds
+train`, every case once, on a tiny SigLIP shape (~90 s on 2 idle cores: 7 launches of 8 steps);
+and benchmarks/gpu.py --open-clip's one-rank comparison on the CPU (~40 s).
+
+The launches need open_clip's environment, which this repository does not install (its trainer
+pins webdataset<=0.2.86): `bash benchmarks/openclip_env.sh runs/openclip-venv` (or set
+RSCLIP_OPENCLIP_VENV to one made elsewhere); those tests are skipped without it. No timing
+assertions (the machine is shared); the assertions are on what each run did, as each tool
+logged it, and on what the driver derived from the logs. The first tests need no environment:
+the log parsers on lines both tools wrote, and the rate arithmetic on known step times.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import random
+import sys
+
+import pytest
+
+from tests.integration.benchmark_helpers import run_benchmark
+from tests.integration.helpers import ROOT
+
+VENV = os.environ.get("RSCLIP_OPENCLIP_VENV", str(ROOT / "runs" / "openclip-venv"))
+needs_venv = pytest.mark.skipif(
+    not os.path.isfile(os.path.join(VENV, "bin", "python")),
+    reason=f"no open_clip environment at {VENV}: create it with `bash benchmarks/openclip_env.sh {VENV}` "
+           f"(or point RSCLIP_OPENCLIP_VENV at one)")
+
+
+def launches(test):
+    return pytest.mark.slow(needs_venv(test))
+
+
+# --------------------------------------------------------------------------- no environment needed
+
+@pytest.fixture(scope="module")
+def driver():
+    bench = str(ROOT / "benchmarks")
+    sys.path.insert(0, bench)   # the scripts import `harness` as their sibling
+    try:
+        yield importlib.import_module("throughput_openclip")
+    finally:
+        sys.path.remove(bench)
+
+
+OPENCLIP_LINE = ("2026-12-01,12:02:41 | INFO | Train Epoch: 0 [ 64/384 (17%)] Data (t): 0.002 Batch (t): 0.868, "
+                 "36.8863/s, 18.4432/s/gpu LR: 0.000100 Logit Scale: 10.001 Contrastive_loss: 6.8450 (8.2421) "
+                 "Loss: 6.8450 (8.2421)")
+RSCLIP_LINES = ("[12:02:15 rank0] step 1/12  loss 10.54  lr 0  samples/s nan  (1.6s)",
+                "[12:02:19 rank0] step 5/12  loss 7.658  lr 0.00015  samples/s 30.14  (5.9s)")
+
+
+def test_log_lines_parse(driver):
+    assert driver.parse_openclip(OPENCLIP_LINE, 32) == {"step": 2, "samples": 64, "samples_per_s": 36.8863,
+                                                        "loss": 6.845}
+    first, fifth = (driver.parse_rsclip(line, 32) for line in RSCLIP_LINES)
+    assert fifth == {"step": 5, "loss": 7.658, "samples_per_s": 30.14}
+    assert first["step"] == 1 and math.isnan(first["samples_per_s"])
+    assert driver.parse_openclip(RSCLIP_LINES[1], 32) is None and driver.parse_rsclip(OPENCLIP_LINE, 32) is None
+
+
+def test_both_rate_formulas_recover_the_window_from_what_each_tool_logs(driver):
+    """Known step times -> the numbers each tool would log (open_clip: global batch / that step's
+    time; rsclip_ds: global batch x (k - 1) / time since the end of step 1) -> the rate over
+    steps 6..60 equals global batch x 55 / the window's time."""
+    rng, batch, n, skip = random.Random(0), 32, 60, 5
+    seconds = {k: rng.uniform(0.5, 1.5) for k in range(1, n + 1)}
+    openclip = {k: {"samples_per_s": batch / seconds[k]} for k in seconds}
+    since_step1 = {k: sum(seconds[j] for j in range(2, k + 1)) for k in seconds}
+    rsclip = {k: {"samples_per_s": batch * (k - 1) / since_step1[k] if k > 1 else math.nan} for k in seconds}
+    truth = batch * (n - skip) / sum(seconds[k] for k in range(skip + 1, n + 1))
+    assert driver.openclip_rate(openclip, skip + 1, n, batch) == pytest.approx(truth, rel=1e-12)
+    assert driver.rsclip_rate(rsclip, skip + 1, n, batch) == pytest.approx(truth, rel=1e-12)
+    assert driver.rsclip_rate(rsclip, 2, n, batch) == pytest.approx(rsclip[n]["samples_per_s"], rel=1e-12)
+
+
+def test_cases_put_each_pair_together_and_ratios_pair_within_a_repeat(driver):
+    todo = driver.cases(["fp32", "amp_bf16", "pure_bf16"], ["zero2"], ["fp32", "bf16"])
+    assert [c.name for c in todo] == ["open_clip/fp32", "rsclip_ds/zero2/fp32", "open_clip/amp_bf16",
+                                      "open_clip/pure_bf16", "rsclip_ds/zero2/bf16"]
+    rate = {("open_clip/fp32", 0): 40.0, ("rsclip_ds/zero2/fp32", 0): 30.0,
+            ("open_clip/fp32", 1): 20.0, ("rsclip_ds/zero2/fp32", 1): 18.0}
+    rows = [{"case": c, "repeat": k, "ok": True, "samples_per_s": v, "samples_per_s_wall": v, "startup_s": 1.0,
+             "cpu_busy_before": 0.0, "steady": {"minflt_per_step_per_rank": 1.0, "sys_ms_per_step": 1.0,
+                                                "user_ms_per_step": 1.0, "foreign_cpu_share": 0.0},
+             "whole_run": {"minflt_per_step_per_rank": 1.0, "sys_ms_per_step": 1.0}} for (c, k), v in rate.items()]
+    rows.append({"case": "open_clip/fp32", "repeat": 2, "ok": False})    # a failed run pairs with nothing
+    rows.append({**rows[1], "repeat": 2})
+    summary = driver.summarize(rows, todo[:2])
+    ratio = summary["ratios"]["rsclip_ds/zero2/fp32 / open_clip/fp32"]
+    assert ratio["per_repeat"] == [0.75, 0.9] and ratio["median"] == pytest.approx(0.825)
+    assert summary["cases"]["open_clip/fp32"]["runs"] == 2
+
+
+# --------------------------------------------------------------------------- the launches
+
+
+def siglip_parameters(width: int, depth: int, mlp: int, patch: int, image: int, context: int, vocab: int) -> int:
+    """A SigLIP dual encoder's parameters, counted from the architecture (no model built)."""
+    linear = lambda i, o: i * o + o
+    norm = 2 * width
+    block = 2 * norm + 4 * linear(width, width) + linear(width, mlp) + linear(mlp, width)
+    vision = (3 * patch * patch * width + width) + (image // patch) ** 2 * width + depth * block + norm \
+        + width + 3 * linear(width, width) + linear(width, width) + norm + linear(width, mlp) + linear(mlp, width)
+    #   patch embedding, positions, blocks, post-norm, MAP head: probe, q/k/v, out, norm, MLP
+    text = vocab * width + context * width + depth * block + norm + linear(width, width)
+    return vision + text + 2   # + logit scale and bias
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("openclip")
+    return run_benchmark("throughput.py", "--open-clip", VENV, "--tiny", "--data", str(tmp / "data"),
+                         "--work", str(tmp / "work"), out=tmp / "throughput_openclip.json", ranks=None, timeout=420)
+
+
+@launches
+def test_every_case_trained_its_steps_on_both_tools(report):
+    cfg = report["config"]
+    assert cfg["cases"] == ["open_clip/fp32", "rsclip_ds/zero1/fp32", "rsclip_ds/zero2/fp32", "open_clip/amp_bf16",
+                            "open_clip/pure_bf16", "rsclip_ds/zero1/bf16", "rsclip_ds/zero2/bf16"]
+    assert [r["case"] for r in report["runs"]] == cfg["cases"] * cfg["repeats"]
+    for r in report["runs"]:
+        assert r["ok"], r
+        # as each tool counts them: open_clip's last log line, rsclip_ds's summary.json
+        assert r["samples_trained"] == cfg["steps"] * cfg["micro"] * cfg["ranks"], r
+        assert r["steps_logged"] == cfg["steps"]
+        assert r["samples_per_s"] > 0 and 0 < r["startup_s"] < r["wall_s"]
+        # SigLIP at init (t = 10, b = -10): each positive pair costs ~10 (1 - cos), negatives ~0
+        assert abs(r["first_loss"] - 10) < 3 and math.isfinite(r["final_loss"]), r
+        assert r["final_loss"] < r["first_loss"], r
+
+
+@launches
+def test_both_sides_train_the_same_number_of_parameters(report):
+    """Counted on the models each side builds (rsclip_ds's Hugging Face folder, open_clip's
+    create_model in its own environment), against the architecture's count."""
+    m, s = report["models"], report["models"]["shape"]
+    expected = siglip_parameters(s["width"], s["depth"], s["mlp"], s["patch"], s["image"], s["context"], s["vocab"])
+    assert m["rsclip_ds_parameters"] == expected
+    assert abs(m["open_clip_parameters"] / m["rsclip_ds_parameters"] - 1) < 0.005, m
+    assert m["open_clip_env"]["webdataset"].startswith("0.2.")   # its own environment, not ours (1.0.x)
+
+
+@launches
+def test_the_rate_parsed_from_each_log_matches_the_line_arrivals(report):
+    """The samples/s derived from each tool's log (open_clip: per-step rates; rsclip_ds: rates
+    since step 1) against the same steps timed by the driver from the log lines' arrival."""
+    for r in report["runs"]:
+        assert r["samples_per_s_wall"] == pytest.approx(r["samples_per_s"], rel=0.05), r
+
+
+@launches
+def test_the_whole_process_tree_was_measured(report):
+    """Launcher(s) + ranks + one loader worker per rank, all counted: torchrun's agent (open_clip)
+    or the deepspeed runner and its launch process (rsclip_ds)."""
+    cfg = report["config"]
+    launchers = {"open_clip": 1, "rsclip_ds": 2}
+    for r in report["runs"]:
+        steady = r["steady"]
+        assert steady["processes"] == launchers[r["tool"]] + cfg["ranks"] * (1 + cfg["workers"]), r
+        assert steady["steps"] == cfg["steps"] - cfg["skip"]
+        assert steady["minflt_per_step_per_rank"] > 0 and steady["user_ms_per_step"] > 0
+        assert 0 <= steady["foreign_cpu_share"] <= 1 and 0 <= r["cpu_busy_before"] <= 1
+        whole = r["whole_run"]
+        assert whole["minflt"] >= steady["minflt"] and whole["user_s"] >= steady["user_s"]
+
+
+@launches
+def test_ratios_are_paired_within_each_repeat(report):
+    runs = {(r["case"], r["repeat"]): r["samples_per_s"] for r in report["runs"]}
+    ratios = report["summary"]["ratios"]
+    assert set(ratios) == {f"rsclip_ds/{p}/fp32 / open_clip/fp32" for p in ("zero1", "zero2")} | \
+        {f"rsclip_ds/{p}/bf16 / open_clip/{oc}" for p in ("zero1", "zero2") for oc in ("amp_bf16", "pure_bf16")}
+    for name, r in ratios.items():
+        ours, theirs = name.split(" / ")
+        assert r["per_repeat"] == [runs[ours, k] / runs[theirs, k] for k in range(report["config"]["repeats"])]
+        assert r["min"] <= r["median"] <= r["max"]
+
+
+@pytest.fixture(scope="module")
+def gpu_report(tmp_path_factory) -> dict:
+    """benchmarks/gpu.py --open-clip on CPU with the tiny shape: its one-rank comparison (~40 s)."""
+    tmp = tmp_path_factory.mktemp("openclip_gpu")
+    return run_benchmark("gpu.py", "--open-clip", VENV, "--model", "tiny", "--openclip-steps", "8",
+                         "--loader-workers", "1", out=tmp / "gpu_openclip.json", ranks=None, timeout=300)
+
+
+@launches
+def test_gpu_script_compares_on_one_rank(gpu_report):
+    cfg = gpu_report["config"]
+    assert (cfg["ranks"], cfg["shape"], cfg["steps"], cfg["skip"]) == (1, "tiny", 8, 2)
+    assert cfg["cases"] == ["open_clip/amp_bf16", "open_clip/pure_bf16", "rsclip_ds/zero2/bf16"]
+    for r in gpu_report["runs"]:
+        assert r["ok"], r
+        assert r["samples_trained"] == cfg["steps"] * cfg["micro"] and r["samples_per_s"] > 0
+        assert r["steady"]["processes"] == {"open_clip": 1, "rsclip_ds": 2}[r["tool"]] + 2   # rank + worker
+    assert set(gpu_report["summary"]["ratios"]) == {"rsclip_ds/zero2/bf16 / open_clip/amp_bf16",
+                                                     "rsclip_ds/zero2/bf16 / open_clip/pure_bf16"}
