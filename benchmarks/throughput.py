@@ -273,6 +273,10 @@ def main(argv=None) -> int:
         return openclip_main(argv)
     args = parse_args(argv)
     cfg = bench_config(args)
+    if not torch.cuda.is_available():
+        from rsclip_ds.host_memory import keep_freed_memory
+
+        keep_freed_memory()   # what `rsclip-ds train` does on CPU ranks; every loop here shares it
     with process_group(args.threads) as info:
         rank, world = info.rank, info.world_size
         say = rank0_print(rank)
