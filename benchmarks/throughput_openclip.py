@@ -56,7 +56,10 @@ OPENCLIP_PRECISIONS = ("fp32", "amp_bf16", "pure_bf16")
 # rsclip_ds precision -> the open_clip precisions it is compared with. amp_bf16 keeps fp32 weights
 # and optimizer state as DeepSpeed's bf16 does (fp32 masters); pure_bf16 holds bf16 weights and
 # AdamW states, no fp32 copy: less work per step, another numerical recipe.
-PAIRED = {"fp32": ("fp32",), "bf16": ("amp_bf16", "pure_bf16")}
+PAIRED = {"fp32": ("fp32",), "bf16": ("amp_bf16", "pure_bf16"), "bf16_masters": ("pure_bf16",)}
+# rsclip_ds's pure-bf16 recipe: bf16 masters and AdamW states (docs/precision.md)
+RSCLIP_SETS = {"fp32": ["precision=fp32"], "bf16": ["precision=bf16"],
+               "bf16_masters": ["precision=bf16", "bf16.master_weights=bf16"]}
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,7 @@ def openclip_cmd(bench: Bench, case: Case, inputs: Inputs, port: int, name: str)
 
 
 def rsclip_cmd(bench: Bench, case: Case, inputs: Inputs, port: int, out_dir: Path) -> list[str]:
-    sets = [f"profile={case.profile}", f"precision={case.precision}", f"steps={bench.steps}", "seed=0",
+    sets = [f"profile={case.profile}", *RSCLIP_SETS[case.precision], f"steps={bench.steps}", "seed=0",
             f"output_dir={out_dir}", f"model.pretrained={inputs.hf_folder}", "loss.name=siglip",
             "loss.negatives=global", f"batch.micro_batch_size={bench.micro}", "batch.gradient_accumulation_steps=1",
             f"data.train_shards={inputs.train_pattern}", f"data.num_workers={bench.workers}",
@@ -392,8 +395,8 @@ def parse_args(argv):
     parser.add_argument("--openclip-precisions", nargs="*", default=list(OPENCLIP_PRECISIONS),
                         choices=OPENCLIP_PRECISIONS)
     parser.add_argument("--profiles", nargs="*", default=["zero1", "zero2"], help="rsclip_ds profiles")
-    parser.add_argument("--precisions", nargs="*", default=["fp32", "bf16"], choices=["fp32", "bf16"],
-                        help="rsclip_ds precisions")
+    parser.add_argument("--precisions", nargs="*", default=["fp32", "bf16"], choices=list(RSCLIP_SETS),
+                        help="rsclip_ds precisions (bf16_masters: bf16 with bf16.master_weights=bf16)")
     parser.add_argument("--data", type=Path, default=Path("runs/bench_data"),
                         help="where the synthetic shards and the model folders go (reused when present)")
     parser.add_argument("--work", type=Path, default=Path("runs/bench_openclip"), help="every run's log and output")
