@@ -25,10 +25,8 @@ def _rank_pid(launcher: subprocess.Popen, rank: int) -> int:
     raise AssertionError(f"rank {rank} not found under the launcher")
 
 
-def test_sigterm_saves_on_every_rank_and_exits_75(launch_data, tmp_path):
-    """SIGTERM reaches one rank (the deepspeed launcher forwards it rank by rank); the ranks
-    agree on it through the sync-point all-reduce, save the same step, and exit with 75."""
-    out = tmp_path / "run"
+def _long_run_at_step_4(launch_data, out) -> TimedJob:
+    """A 400-step 2-rank run that checks for a stop every step, once rank 0 has logged step 4."""
     cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port())]
     cmd += train_args(launch_data, out,
                       CHECKPOINT_RUN + ["steps=400", "checkpoint.every=0", "faults.stop_check_every=1"])
@@ -37,6 +35,18 @@ def test_sigterm_saves_on_every_rank_and_exits_75(launch_data, tmp_path):
         wait_for(lambda: "rank0] step 4/400" in job.text or job.proc.poll() is not None,
                  "rank 0 to log step 4", timeout=300, poll=0.1, detail=lambda: job.text[-4000:])
         assert job.proc.poll() is None, job.text[-4000:]
+    except BaseException:
+        job.kill()
+        raise
+    return job
+
+
+def test_sigterm_saves_on_every_rank_and_exits_75(launch_data, tmp_path):
+    """SIGTERM reaches one rank (the deepspeed launcher forwards it rank by rank); the ranks
+    agree on it through the sync-point all-reduce, save the same step, and exit with 75."""
+    out = tmp_path / "run"
+    job = _long_run_at_step_4(launch_data, out)
+    try:
         psutil.Process(_rank_pid(job.proc, 0)).send_signal(signal.SIGTERM)
         code = job.wait(timeout=240)
         text = job.finish_output()
@@ -86,14 +96,8 @@ def test_a_signal_to_the_deepspeed_command_alone_saves_and_leaves_no_orphans(lau
     launcher was re-parented), save the same step and exit 75, and every process of the job
     ends (the output pipe closes)."""
     out = tmp_path / "run"
-    cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port())]
-    cmd += train_args(launch_data, out,
-                      CHECKPOINT_RUN + ["steps=400", "checkpoint.every=0", "faults.stop_check_every=1"])
-    job = TimedJob(cmd)
+    job = _long_run_at_step_4(launch_data, out)
     try:
-        wait_for(lambda: "rank0] step 4/400" in job.text or job.proc.poll() is not None,
-                 "rank 0 to log step 4", timeout=300, poll=0.1, detail=lambda: job.text[-4000:])
-        assert job.proc.poll() is None, job.text[-4000:]
         ranks = [_rank_pid(job.proc, r) for r in (0, 1)]
         job.proc.send_signal(sig)                      # the runner only, not its process group
         job.wait(timeout=60)
