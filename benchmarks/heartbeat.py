@@ -2,7 +2,7 @@
 client connection to one TCPStore (the rendezvous store rank 0 hosts in a real run), beating
 for --seconds; the all-to-all protocol of rsclip_ds <= 0.1 (every rank reads every other rank's
 counter: about 2W² requests per interval) against rsclip_ds.heartbeat (rank 0 reads all counters
-with one multi_get and publishes a verdict; the others read one key: about 2W).
+with one multi_get and publishes a verdict; the others read one key: about 3W).
 
     python benchmarks/heartbeat.py --out benchmarks/results/heartbeat.json          # 256 ranks, ~1 min
     python benchmarks/heartbeat.py --ranks 16 --seconds 2 --out /tmp/heartbeat.json # what the test runs
@@ -103,8 +103,10 @@ def simulate(protocol: str, world: int, seconds: float, interval: float, dead: i
     stop.set()
     for h in hearts:
         h.close()
-    for t in threads + [h._thread for h in hearts]:
+    for t in threads:
         t.join(timeout=30)
+    for h in hearts:
+        h.join(timeout=30)
     elapsed = time.perf_counter() - t0
     requests = sum(c[0] for c in counters)
     waits = [c[1] for c in counters]   # seconds each rank spent in store requests

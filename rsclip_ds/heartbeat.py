@@ -4,7 +4,7 @@ Every rank bumps its own counter in the rendezvous store (the TCPStore on rank 0
 `interval` s from a daemon thread. Rank 0 alone watches: one `check` and one `multi_get` of all
 counters per interval, then writes its own counter together with its verdict (the ranks it found
 silent). Every other rank reads that one key: rank 0's counter (a rank 0 that stopped beating is
-hung) and the verdict. Per interval that is about 2W + 1 store requests for the whole job; the
+hung) and the verdict. Per interval that is about 3W store requests for the whole job (a set, a check and a get per rank); the
 first version had every rank read every other rank's key (2W² requests: 131k per interval at 256
 ranks, all into the one store; `benchmarks/heartbeat.py` measures both).
 
