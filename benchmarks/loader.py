@@ -129,11 +129,12 @@ def bare_rate(pool, jpegs: list[bytes], size: int, procs: int, samples: int, mod
 # --------------------------------------------------------------------------- the loader
 
 def _cpu_seconds(exclude: set[int]) -> tuple[float, float]:
-    """CPU time (user + system) of this process, and of its children except ``exclude``."""
+    """CPU time (user + system) of this process, and of its children except ``exclude``.
+    This process's own time comes from the clock (nanoseconds): /proc counts whole 10 ms ticks,
+    and the main process's part of a short loop can round to none of them."""
     import psutil
 
     me = psutil.Process()
-    t = me.cpu_times()
     children = 0.0
     for proc in me.children(recursive=True):
         if proc.pid in exclude:
@@ -143,7 +144,7 @@ def _cpu_seconds(exclude: set[int]) -> tuple[float, float]:
             children += c.user + c.system
         except psutil.NoSuchProcess:
             pass
-    return t.user + t.system, children
+    return time.process_time(), children
 
 
 def build_loader(pattern: str, tokenizer, size: int, workers: int, micro: int, **data):
