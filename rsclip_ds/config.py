@@ -325,6 +325,10 @@ class EvalConfig(_Strict):
         None, description="Prompt templates for zero-shot, one per line with '{}' for the class name; "
         "default: the shipped remote-sensing set (rsclip_ds/templates/remote_sensing.txt).")
     batch_size: int = Field(64, ge=1, description="Images (and texts) per forward pass per rank.")
+    max_bad_fraction: float = Field(
+        0.01, ge=0, le=1, description="Unreadable or missing images are skipped, counted "
+        "(skipped_images in the results) and named in the log; past this fraction of a set the "
+        "evaluation stops with the list.")
 
     @model_validator(mode="after")
     def _check(self) -> "EvalConfig":

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 from pathlib import Path
 
 import torch
 
 from rsclip_ds.config import ConfigError, EvalConfig
+from rsclip_ds.data.bad import DataError
 from rsclip_ds.evaluation import Embedder, EvalSets, evaluate, flat_metrics
 from rsclip_ds.evaluation.hook import build_monitor, log_results, write_monitor
 from rsclip_ds.model import ModelBundle
@@ -34,10 +36,13 @@ def print_results(results: dict, title: str) -> None:
         table.add_row(key, f"{100 * value:.2f} %")
     if "zero_shot" in results:
         r = results["zero_shot"]
-        table.add_row("zero_shot/size", f"{r['num_images']} images, {r['num_classes']} classes")
+        table.add_row("zero_shot/size", f"{r['num_images']} images, {r['num_classes']} classes"
+                      + (f", {r['skipped_images']} unreadable skipped" if r.get("skipped_images") else ""))
     if "retrieval" in results:
         r = results["retrieval"]
-        table.add_row("retrieval/size", f"{r['num_images']} images, {r['num_texts']} captions")
+        table.add_row("retrieval/size", f"{r['num_images']} images, {r['num_texts']} captions"
+                      + (f", {r['skipped_images']} unreadable images and their {r['skipped_captions']} "
+                         "captions skipped" if r.get("skipped_images") else ""))
     console.print(table)
     if "zero_shot" in results:
         per_class = Table(title="zero-shot accuracy per class")
@@ -65,6 +70,8 @@ def register(sub) -> None:
     p.add_argument("--split", default=None, help="caption JSON split (default: test)")
     p.add_argument("--templates", type=Path, help="prompt templates file (default: shipped RS set)")
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default 64)")
+    p.add_argument("--max-bad-fraction", type=float, default=None, help="unreadable or missing images "
+                   "are skipped and counted; past this fraction of a set the evaluation stops (default 0.01)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--out", type=Path, help="results JSON (default: {output_dir}/eval/<tag>.json for a "
                    "checkpoint, eval/<folder name>.json for a model folder)")
@@ -77,7 +84,8 @@ def _eval_config(args, base: EvalConfig) -> EvalConfig:
     """--flags over the run's eval section (a checkpoint) or the defaults (a model folder)."""
     given = {"zero_shot_dir": args.zero_shot, "retrieval_json": args.retrieval,
              "retrieval_images": args.retrieval_images, "retrieval_split": args.split,
-             "templates": args.templates, "batch_size": args.batch_size}
+             "templates": args.templates, "batch_size": args.batch_size,
+             "max_bad_fraction": args.max_bad_fraction}
     return base.model_copy(update={k: v for k, v in given.items() if v is not None})
 
 
@@ -146,7 +154,12 @@ def run(args) -> int:
             device = torch.device(get_accelerator().device_name(info.local_rank))
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
         model = bundle.model.to(device, dtype).eval()
-        results = evaluate(Embedder(model, bundle, cfg.batch_size, info.rank, info.world_size, device), sets)
+        try:
+            results = evaluate(Embedder(model, bundle, cfg.batch_size, info.rank, info.world_size, device), sets)
+        except DataError as err:   # every rank counted the same gathered marks: rank 0 says it
+            if info.rank == 0:
+                print(f"rsclip-ds: DataError: {err}", file=sys.stderr)
+            return 5
         if info.rank == 0:
             source = str(bundle.source) if args.model else str(args.checkpoint)
             out = args.out or default_out

@@ -41,6 +41,11 @@ log = logging.getLogger("rsclip_ds.data")
 JPEG_SOI = b"\xff\xd8\xff"
 
 
+# What decoding a bad image raises (a truncated or non-image file, a bomb, a missing file): the
+# training loader counts these as corrupt_image, evaluation as unreadable.
+IMAGE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
+
+
 def draft_scale(width: int, height: int, need: int) -> int:
     """PIL's ``Image.draft`` rule: the largest s in (8, 4, 2, 1) with both sides >= s * need."""
     fits = min(width // need, height // need)
@@ -241,7 +246,7 @@ class SampleDecoder:
         caption = captions[rng.randrange(len(captions))] if len(captions) > 1 else captions[0]
         try:
             pixels = self.transform(sample[key], rng)
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+        except IMAGE_ERRORS as err:
             counter.report("corrupt_image", where, f"{type(err).__name__}: {err}")
             return None
         return pixels, caption, sample["__key__"]

@@ -128,6 +128,7 @@ class EvalSets:
     zero_shot: ClassFolderSet | None = None
     templates: list[str] | None = None
     retrieval: CaptionSet | None = None
+    max_bad_fraction: float = 0.01    # unreadable images tolerated per set (skipped and counted)
 
     @classmethod
     def from_config(cls, cfg: EvalConfig) -> "EvalSets":
@@ -138,5 +139,6 @@ class EvalSets:
             raise ConfigError("nothing to evaluate: give a zero-shot class-folder set "
                               "(--zero-shot / eval.zero_shot_dir) and/or a caption JSON "
                               "(--retrieval / eval.retrieval_json)")
-        return cls(zero_shot, load_templates(cfg.templates) if zero_shot else None, retrieval)
+        return cls(zero_shot, load_templates(cfg.templates) if zero_shot else None, retrieval,
+                   cfg.max_bad_fraction)
 
