@@ -34,6 +34,7 @@ import torch
 
 from rsclip_ds import __version__
 from rsclip_ds.config import CheckpointConfig, ConfigError, RunConfig
+from rsclip_ds.storage import fsync_dir
 
 log = logging.getLogger("rsclip_ds")
 
@@ -62,11 +63,7 @@ def _atomic_write(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)   # the rename itself is durable only once the folder is synced
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)   # the rename itself is durable only once the folder is synced
 
 
 def read_pointer(root: Path) -> str | None:

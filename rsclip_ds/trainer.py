@@ -43,6 +43,7 @@ from rsclip_ds.profiles import (BatchSizes, Profile, activation_checkpointing_en
 from rsclip_ds.reporting.curves import plot_curves
 from rsclip_ds.reporting.progress import ProgressReporter
 from rsclip_ds.reporting.summary import build_summary, print_summary, write_summary
+from rsclip_ds.storage import check_shared_dir, decide_on_rank0
 from rsclip_ds.train import Guard, Preempted, TrainResult, train
 
 log = logging.getLogger("rsclip_ds")
@@ -135,7 +136,11 @@ class Trainer:
         run, info = self.run, self.info
         batch = derive_batch(run, info.world_size)
         root = checkpoint_root(run.output_dir)
-        tag = resume_tag(root, run.checkpoint.resume) if run.checkpoint.resume else None
+        c = run.checkpoint
+        if c.every or c.at_end or c.resume:   # every rank writes shards there and may read them back
+            check_shared_dir(Path(run.output_dir))
+        # resolved once: ranks reading the pointer at different moments could pick different steps
+        tag = decide_on_rank0(lambda: resume_tag(root, c.resume)) if c.resume else None
         if tag is None:
             prepare_fresh_root(root, run.checkpoint.overwrite, info.rank)
         with self._phase("model"):
