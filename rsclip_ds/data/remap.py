@@ -8,24 +8,28 @@ At an epoch boundary (B is the first batch of epoch e): nothing of epoch e was d
 new ranks play epoch e and the following ones exactly as a fresh run on W' ranks does.
 
 Mid-epoch, policy 'exact'. Old stream (r, w) reads its shards of epoch e through its shuffle
-buffer in a fixed order; it has delivered the first ``taken`` samples of that order. What is
+buffer in a fixed order and has delivered the first ``taken`` samples of that order. What is
 left of it (the samples in its buffer, the unread part of its open shard, the shards it has not
-opened) is positions taken..n-1 of the same order, n the stream's samples by the shard counts.
-The remainders of all old streams, concatenated in (old rank, old stream) order, are R samples.
-Every new rank delivers N_t = R // (W' x micro') batches in the transition epoch e; new rank r''s
-stream w' gets the next (its batches) x micro' samples of the concatenation, contiguous ranges of
-one or two old orders, and reads them through its own shuffle buffer (seeded by (seed,
-"buffer", e, rank', w')). A new stream replays an old stream's order up to its range without
-decoding (tar reads, as an exact resume does). Kept, when no data is bad:
-  * no sample of epoch e's shard list is delivered twice in epoch e (old and new ranks together);
-  * none is skipped except the last ``dropped = R - N_t x W' x micro'`` of the concatenation,
-    fewer than W' x micro' (one micro-batch per new rank); the log line and the state's
-    ``remap.kept`` give the count. The old run's own end-of-epoch surplus is not dropped: it is
-    in R. (A shard listed twice by a whole-number weight counts as two shards here too.)
-Epochs e+1, ... are those of a fresh W' run: same shards per stream, same batches in the same
-order (the transition's first index is chosen so that epoch e+1 starts at the fresh run's index
-modulo the workers). With bad data a new stream short of its quota reads its ranges again, as
-the exact policy does, so it may repeat samples instead of stalling the other ranks.
+opened) is positions taken..n-1 of the same order, n its samples by the shard counts. Those
+remainders, concatenated in (old rank, old stream) order, are R samples. Every new rank delivers
+N_t = R // (W' x micro') batches in epoch e (the transition epoch); new stream (r', w'), in that
+order, takes the next (its batches x micro' + its slack) samples of the concatenation --
+contiguous ranges of one or a few old orders -- through its own shuffle buffer (seeded by (seed,
+"buffer", e, r', w')). It replays an old order up to its range without decoding (tar reads, as
+an exact resume does). The surplus R - N_t x W' x micro' is the slack, spread over the new
+streams with batches: each leaves the samples its buffer did not hand out. Kept, without bad data:
+  * no sample of epoch e's shard list is delivered twice in epoch e, old and new ranks together
+    (a shard listed twice by a whole-number weight is two shards, as in any exact epoch);
+  * none is left out except ``dropped`` = R - N_t x W' x micro' < W' x micro' samples (one
+    micro-batch per new rank), logged and kept in the state (``remap.kept``). The old run's own
+    end-of-epoch surplus is not dropped: it is part of R;
+  * epochs e+1, ... are those of a fresh W' run: same shards per stream, same batches in the same
+    order (the transition's first batch index is chosen so that epoch e+1 starts at the fresh
+    run's index modulo the workers).
+With bad data: a bad sample in a range uses up slack, so ``dropped`` is the planned count and
+fewer good samples go unseen. A stream whose ranges hold more bad samples than slack reads its
+ranges again, as the exact policy does: it repeats that many samples (and counts the bad ones it
+meets again) rather than stall the other ranks.
 
 Mid-epoch, policy 'resampled'. The old ranks owed (epoch_batches - delivered) x W x micro
 samples of epoch e; the new ranks deliver N_t = that // (W' x micro') batches each, drawn by
@@ -35,8 +39,9 @@ fresh streams seeded by (seed, e, rank', w', "remap", W'), then epochs follow W'
 Counts. Bad-data counts, samples read and shards opened of all old ranks (their totals,
 including what they carried themselves) are carried by new rank 0 and included in its
 ``bad_data()`` and ``samples_seen``. Shard errors found while replaying an old order are counted
-once, by the new stream that reads that old stream's last kept sample, and only for shards the
-old stream had not read to their end (the one shard it had open may count twice as opened).
+once, by the new stream holding the last range of that old order, and only for shards the old
+stream had not read to their end (the one shard it had open counts twice as opened, in the
+denominator of the bad-shard fraction).
 
 Second resume. The new loader's state carries ``remap`` (epoch, first index, batches, the old
 positions): it resumes exactly on W' ranks, also inside the transition epoch. A remap to yet
@@ -183,23 +188,29 @@ def _units(old: EpochSchedule, epoch: int, src: dict) -> list[tuple[int, int, in
 
 def _cut(schedule: EpochSchedule, epoch: int, units: list) -> dict[tuple[int, int], list[Segment]]:
     """New stream (r', w') after new stream: the next quota x micro samples of the concatenated
-    remainders. The last range of each old stream counts its shard errors."""
+    remainders, plus its part of the surplus (slack: a bad sample uses it up instead of making the
+    stream read its ranges again). The last range of each old stream counts its shard errors."""
+    needs = {(r, w): schedule.worker_batches(epoch, r, w) * schedule.micro
+             for r in range(schedule.world_size) for w in range(schedule.workers_of(r))}
+    busy = [key for key, need in needs.items() if need]
+    surplus = sum(u[3] for u in units) - sum(needs.values())
+    for i, key in enumerate(busy):
+        needs[key] += surplus // len(busy) + (i < surplus % len(busy))
     cuts: dict[tuple[int, int], list[list]] = {}
     last: dict[int, list] = {}
     u = off = 0                      # unit and offset in its remainder of the next free sample
-    for r in range(schedule.world_size):
-        for w in range(schedule.workers_of(r)):
-            need, cuts[(r, w)] = schedule.worker_batches(epoch, r, w) * schedule.micro, []
-            while need:
-                orank, ostream, taken, left, _ = units[u]
-                n = min(need, left - off)
-                if n:
-                    piece = [orank, ostream, taken + off, taken + off + n, None]
-                    cuts[(r, w)].append(piece)
-                    last[u] = piece
-                    off, need = off + n, need - n
-                if off == left:
-                    u, off = u + 1, 0
+    for key, need in needs.items():
+        cuts[key] = []
+        while need:
+            orank, ostream, taken, left, _ = units[u]
+            n = min(need, left - off)
+            if n:
+                piece = [orank, ostream, taken + off, taken + off + n, None]
+                cuts[key].append(piece)
+                last[u] = piece
+                off, need = off + n, need - n
+            if off == left:
+                u, off = u + 1, 0
     for i, piece in last.items():
         piece[4] = units[i][4]
     return {key: [Segment(*p) for p in pieces] for key, pieces in cuts.items()}
