@@ -201,16 +201,28 @@ def test_what_cannot_be_remapped_is_refused_with_the_fix(shards, tiny_tokenizer)
         make(shards, tiny_tokenizer, 3, 0, 1, state={"remap_from": future})
     with pytest.raises(ValueError, match=r"pass all 2 old ranks' states in rank order"):
         make(shards, tiny_tokenizer, 3, 0, 1, state={"remap_from": states[::-1]})
-    # a state saved inside a transition epoch cannot be remapped again, only resumed
-    inside = make(shards, tiny_tokenizer, 3, 0, 1, state=remap)
-    play(inside, 1)
-    middle = [saved(inside)] + [saved(make(shards, tiny_tokenizer, 3, r, 1, state=remap)) for r in (1, 2)]
-    for st in middle[1:]:   # the other new ranks at the same batch, as in one checkpoint
-        st["batches"] = middle[0]["batches"]
-        st["streams"] = middle[0]["streams"]
+    # states saved inside a transition epoch (one batch into it) resume on 3 ranks, never remap again
+    middle = []
+    for rank in range(3):
+        inside = make(shards, tiny_tokenizer, 3, rank, 1, state=remap)
+        play(inside, 1)
+        middle.append(saved(inside))
     with pytest.raises(ValueError, match=r"inside epoch 0, the transition epoch .* resume on 3 rank\(s\) until "
                                          r"epoch 0 ends, then remap"):
         make(shards, tiny_tokenizer, 2, 0, 1, state={"remap_from": middle})
+
+
+def test_remap_at_an_epoch_boundary_plays_the_next_epoch_as_a_fresh_run(shards, tiny_tokenizer):
+    plan = make(shards, tiny_tokenizer, 2, 0, 1).schedule
+    states, _ = old_run(shards, tiny_tokenizer, 2, 1, plan.batches(0))   # epoch 0 complete
+    for rank in range(3):
+        loader = make(shards, tiny_tokenizer, 3, rank, 2, state={"remap_from": states})
+        assert loader.remap.batches is None and loader.schedule.first == 1
+        fresh = make(shards, tiny_tokenizer, 3, rank, 2)
+        n = fresh.schedule.batches(1)
+        got, epochs = play(loader, n)
+        same_batches(got, play(fresh, fresh.schedule.start(2))[0][-n:])
+        assert epochs == [1] * n
 
 
 def test_resampled_remap_gives_every_new_rank_the_same_batches(shards, tiny_tokenizer):
