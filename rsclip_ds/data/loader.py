@@ -280,7 +280,8 @@ class TrainLoader:
     def bad_data(self) -> dict[str, int]:
         """Bad inputs skipped on this rank so far, by kind (every kind listed, zeros included);
         on rank 0 of a remapped run also the old ranks' (remap.py)."""
-        return {k: self.carried["bad"][k] + sum(s["bad"].get(k, 0) for s in self._streams if s) for k in BAD_KINDS}
+        return {k: self.carried["bad"].get(k, 0) + sum(s["bad"].get(k, 0) for s in self._streams if s)
+                for k in BAD_KINDS}
 
     @property
     def samples_seen(self) -> int:
