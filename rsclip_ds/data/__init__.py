@@ -6,6 +6,7 @@
     transforms.py    the one image transform (training and evaluation), sample decoding; Normalize (reference)
     bad.py           bad-data kinds, per-stream counts, the stop threshold (DataError)
     loader.py        the streams, the DataLoader, resumable position: build_train_loader
+    remap.py         a saved position continued on another number of ranks (workers, micro batch)
     tokenizer.py     training a caption tokenizer; tokenize()
     shard_writer.py  caption datasets as users have them -> shards + index (make-shards)
     synthetic.py     synthetic overhead-imagery shards and evaluation sets (make-synthetic)

@@ -27,7 +27,9 @@ Resume. ``loader.state_dict()`` is the position after the last batch handed to t
 (not after the batches the workers prefetched): per worker the epoch, the samples taken from its
 shuffle buffer, the batches delivered, the shards opened, its bad-data counts. A loader built
 with ``state=`` replays each worker's current epoch up to that point without decoding and then
-continues; it yields exactly the batches an uninterrupted loader would have yielded.
+continues; it yields exactly the batches an uninterrupted loader would have yielded. A loader
+built with ``state={"remap_from": [every old rank's state]}`` continues a run saved on another
+number of ranks (workers, micro batch): remap.py says what it keeps.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from rsclip_ds.config import ConfigError, DataConfig
 from rsclip_ds.data.bad import BAD_KINDS, DataError, StreamCounter, check_bad_fraction
+from rsclip_ds.data.remap import READABLE_VERSIONS, STATE_VERSION, Remap, remap_state
 from rsclip_ds.data.schedule import EpochSchedule, build_epoch_schedule, derive_seed
 from rsclip_ds.data.sources import shard_counts, shard_counts_from_rank0
 from rsclip_ds.data.tar import read_shard
@@ -53,7 +56,6 @@ from rsclip_ds.data.tokenizer import tokenize
 from rsclip_ds.data.transforms import ImageTransform, SampleDecoder
 
 log = logging.getLogger("rsclip_ds.data")
-STATE_VERSION = 1
 PREFETCH_FACTOR = 2   # batches each DataLoader worker has in flight
 
 
@@ -102,7 +104,7 @@ class StreamDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict]:
         pid, k = _worker()
         stream = (pid + self.offset) % k
-        start = self.starts[stream] or _FRESH
+        start = self.starts[stream] or {**_FRESH, "epoch": self.schedule.first}
         counter = StreamCounter(start)
         epoch, taken, done, opened, closed = (int(start[x]) for x in ("epoch", "taken", "done", "opened", "closed"))
         while True:
@@ -116,9 +118,13 @@ class StreamDataset(IterableDataset):
         (after the buffer drained the first pass) when bad data left them short of the quota;
         'resampled' draws shards forever."""
         schedule, bufsize = self.schedule, self.cfg.shuffle_buffer
+        moved = schedule.transition if schedule.transition and schedule.transition.epoch == epoch else None
         if schedule.policy == "resampled":
-            yield from _shuffled(self._read(schedule.draw(epoch, self.rank, stream), 2 * len(schedule.urls) + 10,
-                                            stream, counter), bufsize, rng)
+            draws = schedule.draw(epoch, self.rank, stream, moved.salt if moved else ())
+            yield from _shuffled(self._read(draws, 2 * len(schedule.urls) + 10, stream, counter), bufsize, rng)
+            return
+        if moved:   # a remap's transition epoch: what the old streams left (remap.py)
+            yield from moved.samples(self.rank, stream, counter, rng, bufsize, _shuffled)
             return
         shards = schedule.shards(epoch, self.rank, stream)
         while True:
@@ -220,9 +226,21 @@ class TrainLoader:
         self.batches = 0                                   # handed to the trainer
         self._streams: list[dict | None] = [None] * self.streams
         self.examples: dict[str, str] = {}                 # kind -> a path where it happened
-        if state is not None:
+        self.remap: Remap | None = None                    # set when the run was remapped (remap.py)
+        self.carried = {"bad": dict.fromkeys(BAD_KINDS, 0), "samples": 0, "shards": 0}   # old ranks' counts
+        if state is not None and "remap_from" in state:
+            self.remap, self.carried = remap_state(state["remap_from"], schedule, rank, cfg.shuffle_buffer)
+            self.remap.apply(schedule)
+            self.batches = self.remap.start
+            if rank == 0:
+                log.info(self.remap.describe())
+        elif state is not None:
             self._check(state)
             self.batches, self._streams = int(state["batches"]), list(state["streams"])
+            self.carried = state.get("carried", self.carried)
+            if state.get("remap"):
+                self.remap = Remap.from_state(state["remap"])
+                self.remap.apply(schedule)
 
     # ---- position
     def _identity(self) -> dict:
@@ -234,8 +252,9 @@ class TrainLoader:
         """JSON-serialisable position after the last batch handed out (see the module doc)."""
         done = [s for s in self._streams if s]
         return {**self._identity(), "batches": self.batches, "streams": [dict(s) if s else None for s in self._streams],
-                "epoch": max((s["epoch"] for s in done), default=0), "bad": self.bad_data(),
-                "samples_seen": self.samples_seen}
+                "epoch": max((s["epoch"] for s in done), default=self.schedule.first), "bad": self.bad_data(),
+                "samples_seen": self.samples_seen, "shuffle_buffer": self.cfg.shuffle_buffer,
+                "remap": self.remap.to_state() if self.remap else None, "carried": self.carried}
 
     def _check(self, state: dict) -> None:
         fixes = {"seed": "run with the seed of the saved run", "world_size": "launch as many ranks as the "
@@ -243,10 +262,15 @@ class TrainLoader:
                  "batch.micro_batch_size", "streams": "keep data.num_workers (streams per rank), or set it "
                  "to auto, which takes the saved count",
                  "shards": "keep data.train_shards / data.train_weights and the shard sample counts (index JSON)", "policy": "keep data.policy",
-                 "epoch_batches": "keep data.epoch_batches", "version": "resume with the same rsclip_ds"}
+                 "epoch_batches": "keep data.epoch_batches", "version": "resume with the same rsclip_ds",
+                 "shuffle_buffer": "keep data.shuffle_buffer"}
         saved = {k: state.get(k) for k in fixes}
         saved["streams"] = len(state.get("streams") or [])
-        mine = self._identity()
+        mine = {**self._identity(), "shuffle_buffer": self.cfg.shuffle_buffer}
+        if saved["version"] in READABLE_VERSIONS:
+            saved["version"] = STATE_VERSION
+        if saved["shuffle_buffer"] is None:   # version 1 did not save it
+            saved["shuffle_buffer"] = mine["shuffle_buffer"]
         diffs = [f"{k}: saved {saved[k]!r}, now {mine[k]!r} ({fixes[k]})" for k in fixes if saved[k] != mine[k]]
         if diffs:
             raise ValueError("cannot resume the data position: " + "; ".join(diffs) +
@@ -254,13 +278,16 @@ class TrainLoader:
 
     # ---- bad data
     def bad_data(self) -> dict[str, int]:
-        """Bad inputs skipped on this rank so far, by kind (every kind listed, zeros included)."""
-        return {k: sum(s["bad"].get(k, 0) for s in self._streams if s) for k in BAD_KINDS}
+        """Bad inputs skipped on this rank so far, by kind (every kind listed, zeros included);
+        on rank 0 of a remapped run also the old ranks' (remap.py)."""
+        return {k: self.carried["bad"].get(k, 0) + sum(s["bad"].get(k, 0) for s in self._streams if s)
+                for k in BAD_KINDS}
 
     @property
     def samples_seen(self) -> int:
-        """Samples this rank's streams took from their buffers (good and bad), as of the last batch."""
-        return sum(s["samples"] for s in self._streams if s)
+        """Samples this rank's streams took from their buffers (good and bad), as of the last batch;
+        on rank 0 of a remapped run also the old ranks'."""
+        return self.carried["samples"] + sum(s["samples"] for s in self._streams if s)
 
     def _on_batch(self, meta: dict) -> None:
         before = self.bad_data()
@@ -278,7 +305,7 @@ class TrainLoader:
         self._check_fraction(after)
 
     def _check_fraction(self, bad: dict[str, int]) -> None:
-        shards = sum(s["shards"] for s in self._streams if s)
+        shards = self.carried["shards"] + sum(s["shards"] for s in self._streams if s)
         check_bad_fraction(bad, self.samples_seen, shards, self.cfg.max_bad_fraction,
                            self.cfg.bad_data_min_samples, f"rank {self.rank}", self.examples)
 
@@ -335,7 +362,7 @@ def _requested_workers(cfg: DataConfig, state: dict | None, cores: int, local_ra
     if cfg.num_workers != "auto":
         return cfg.num_workers, ""
     mine = auto_num_workers(cores, local_ranks)
-    saved = len(state["streams"]) if state is not None else None
+    saved = len(state["streams"]) if state is not None and "streams" in state else None   # remap: any count
     if saved is not None and saved != mine:   # exact resume needs the saved streams
         return saved, (f"the saved data position's count, which exact resume needs; {cores} core(s) for "
                        f"{local_ranks} rank(s) here would give {mine}")
@@ -362,7 +389,9 @@ def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_
     available_cores()) size data.num_workers=auto. Batches carry uint8 pixels: the model
     normalises them with its own mean/std. ``state``: a ``loader.state_dict()`` to resume from;
     a state saved with another seed, world size, worker count, shard list or micro batch is a
-    ValueError that names the difference."""
+    ValueError that names the difference. ``state={"remap_from": [s_0, ..., s_{W-1}]}`` (every
+    old rank's state, by old rank) continues a run saved on W ranks on ``world_size`` ranks, with
+    any workers and micro batch (remap.py; seed, shards, policy must match)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
     workers, why = _requested_workers(cfg, state, available_cores() if cores is None else cores, local_world_size)

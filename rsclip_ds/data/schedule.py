@@ -9,6 +9,11 @@ that epoch (less than about one shard per stream); the next epoch's reshuffle dr
 samples. Policy 'resampled': every worker draws shards with replacement from its own seeded
 generator, and an epoch is ``data.epoch_batches`` batches per rank. Both never run a rank dry, so
 no collective hangs.
+
+Batch indices. Batch i of a rank (counted from the run's start) comes from worker i % K, so the
+epochs' first indices (``start``) decide which worker fills which batch. A run resumed on another
+world size (remap.py) anchors its schedule: it starts in epoch ``first`` at a given index, that
+transition epoch has a fixed batch count, and later epochs follow from there as usual.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import hashlib
 import itertools
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from rsclip_ds.config import DataConfig
@@ -53,7 +58,10 @@ class EpochSchedule:
     micro: int
     counts: dict[str, int] | None = None
     epoch_batches: int | None = None
-    _starts: list[int] = field(default_factory=lambda: [0])   # first batch index of each epoch
+    first: int = 0              # first epoch played (a remapped run starts in its transition epoch)
+    fixed: dict[int, int] = field(default_factory=dict)      # epoch -> batches per rank, set by a remap
+    transition: object = None   # remap.Transition: how the streams read the remap's transition epoch
+    _starts: list[int] = field(default_factory=lambda: [0])   # first batch index of epoch first, first+1, ...
     _orders: dict[int, list[str]] = field(default_factory=dict)  # epoch -> shuffled shard list
 
     def __post_init__(self):
@@ -81,9 +89,10 @@ class EpochSchedule:
             self._orders[epoch] = order
         return self._orders[epoch][rank::self.world_size][worker::self.workers_of(rank)]
 
-    def draw(self, epoch: int, rank: int, worker: int) -> Iterator[str]:
-        """'resampled' only: endless shard draws, source by weight, then uniform within it."""
-        rng = random.Random(derive_seed(self.seed, "resample", epoch, rank, worker))
+    def draw(self, epoch: int, rank: int, worker: int, salt: tuple = ()) -> Iterator[str]:
+        """'resampled' only: endless shard draws, source by weight, then uniform within it.
+        ``salt`` tells a remap's transition epoch apart from the old ranks' draws."""
+        rng = random.Random(derive_seed(self.seed, "resample", epoch, rank, worker, *salt))
         cum = list(itertools.accumulate(self.weights))
         while True:
             src = self.sources[bisect.bisect_right(cum, rng.random() * cum[-1])]
@@ -107,16 +116,33 @@ class EpochSchedule:
 
     def start(self, epoch: int) -> int:
         """Index (within the rank) of the first batch of ``epoch``."""
-        while len(self._starts) <= epoch:
-            e = len(self._starts) - 1
-            n = self.epoch_batches if self.policy == "resampled" else \
-                min(self._rank_batches(e, r, self._starts[e]) for r in range(self.world_size))
-            if n == 0:
-                raise DataError(f"epoch {e}: some rank/worker stream holds fewer than micro_batch_size="
-                                f"{self.micro} samples; write more or smaller shards, lower "
-                                "data.num_workers or the micro batch")
-            self._starts.append(self._starts[e] + n)
-        return self._starts[epoch]
+        if epoch < self.first:
+            raise ValueError(f"epoch {epoch} comes before epoch {self.first}, where this (remapped) schedule starts")
+        while len(self._starts) <= epoch - self.first:
+            e = self.first + len(self._starts) - 1
+            at = self._starts[-1]
+            if e in self.fixed:    # a remap's transition epoch: 0 batches is allowed there
+                n = self.fixed[e]
+            else:
+                n = self.epoch_batches if self.policy == "resampled" else \
+                    min(self._rank_batches(e, r, at) for r in range(self.world_size))
+                if n == 0:
+                    raise DataError(f"epoch {e}: some rank/worker stream holds fewer than micro_batch_size="
+                                    f"{self.micro} samples; write more or smaller shards, lower "
+                                    "data.num_workers or the micro batch")
+            self._starts.append(at + n)
+        return self._starts[epoch - self.first]
+
+    def anchor(self, epoch: int, start: int, batches: int | None = None) -> None:
+        """Start the schedule in ``epoch`` at batch index ``start``; ``batches``: that epoch's
+        fixed batch count per rank (a remap's transition epoch), None: computed as usual."""
+        self.first, self._starts = epoch, [start]
+        self.fixed = {} if batches is None else {epoch: batches}
+
+    def rescaled(self, world_size: int, num_workers: int, micro: int) -> "EpochSchedule":
+        """The same data and seed on another world size / workers / micro batch, from epoch 0."""
+        return replace(self, world_size=world_size, num_workers=num_workers, micro=micro, first=0, fixed={},
+                       transition=None, _starts=[0], _orders={})
 
     def worker_batches(self, epoch: int, rank: int, worker: int) -> int:
         n = self.start(epoch + 1) - self.start(epoch)
