@@ -273,7 +273,7 @@ class TrainLoader:
             saved["shuffle_buffer"] = mine["shuffle_buffer"]
         diffs = [f"{k}: saved {saved[k]!r}, now {mine[k]!r} ({fixes[k]})" for k in fixes if saved[k] != mine[k]]
         if diffs:
-            raise ValueError("cannot resume the data position: " + "; ".join(diffs) +
+            raise ConfigError("cannot resume the data position: " + "; ".join(diffs) +
                              ". Or start the data from scratch without the saved data state.")
 
     # ---- bad data

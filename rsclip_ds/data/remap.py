@@ -55,6 +55,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
 
+from rsclip_ds.config import ConfigError
 from rsclip_ds.data.bad import BAD_KINDS, DataError, StreamCounter
 from rsclip_ds.data.schedule import EpochSchedule, _share, derive_seed
 from rsclip_ds.data.tar import read_shard
@@ -235,7 +236,7 @@ def _check_saved(saved: list, schedule: EpochSchedule) -> None:
         diffs.append(f"the old ranks were at different batches {[st.get('batches') for st in saved]} (pass the "
                      "states of one checkpoint)")
     if diffs:
-        raise ValueError("cannot remap the data position: " + "; ".join(dict.fromkeys(diffs)) +
+        raise ConfigError("cannot remap the data position: " + "; ".join(dict.fromkeys(diffs)) +
                          ". Or start the data from scratch without the saved data state.")
 
 
@@ -246,7 +247,7 @@ def _old_schedule(saved: list, schedule: EpochSchedule) -> EpochSchedule:
         old.epoch_batches = int(saved[0]["epoch_batches"])
     wrong = [r for r in range(len(saved)) if old.workers_of(r) != streams[r]]
     if wrong:
-        raise ValueError(f"cannot remap the data position: old ranks {wrong} saved {[streams[r] for r in wrong]} "
+        raise ConfigError(f"cannot remap the data position: old ranks {wrong} saved {[streams[r] for r in wrong]} "
                          "stream(s), which their shards cannot give; pass the states as saved")
     if saved[0].get("remap"):      # the old run was itself remapped: its batch indices are anchored
         Remap.from_state(saved[0]["remap"]).apply(old)
@@ -271,7 +272,7 @@ def remap_state(saved: list[dict], schedule: EpochSchedule, rank: int, shuffle_b
     while old.start(e + 1) <= batches:
         e += 1
     if old.transition is not None and e == old.transition.epoch:
-        raise ValueError(f"cannot remap the data position: the saved states are inside epoch {e}, the transition "
+        raise ConfigError(f"cannot remap the data position: the saved states are inside epoch {e}, the transition "
                          f"epoch of an earlier remap (batch {batches} of {old.start(e)}..{old.start(e + 1) - 1}); "
                          f"resume on {old.world_size} rank(s) until epoch {e} ends, then remap")
     done = batches - old.start(e)    # batches each old rank delivered in epoch e
@@ -306,7 +307,7 @@ def _positions(saved: list, old: EpochSchedule, e: int, done: int, shuffle_buffe
             share = _share(old.start(e), done, k, s)
             here = pos is not None and int(pos["epoch"]) == e
             if (int(pos["done"]) if here else 0) != share or (pos is not None and int(pos["epoch"]) > e):
-                raise ValueError(f"cannot remap the data position: old rank {r} stream {s} saved {pos and pos['done']} "
+                raise ConfigError(f"cannot remap the data position: old rank {r} stream {s} saved {pos and pos['done']} "
                                  f"batch(es) of epoch {pos and pos['epoch']}, its schedule says {share} of epoch "
                                  f"{e}; pass the states as saved, of one checkpoint")
             row_t.append(int(pos["taken"]) if here else 0)

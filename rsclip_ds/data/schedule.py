@@ -26,7 +26,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
-from rsclip_ds.config import DataConfig
+from rsclip_ds.config import ConfigError, DataConfig
 from rsclip_ds.data.bad import DataError
 from rsclip_ds.data.sources import expand_sources, shard_counts
 
@@ -166,15 +166,15 @@ def build_epoch_schedule(cfg: DataConfig, *, micro_batch_size: int, world_size: 
         raise ValueError(f"data.num_workers={workers!r}: pass the resolved worker count as num_workers "
                          "(build_train_loader sizes 'auto')")
     if cfg.train_shards is None:
-        raise ValueError("data.train_shards is not set; point it at tar shards "
+        raise ConfigError("data.train_shards is not set; point it at tar shards "
                          "(e.g. --set data.train_shards='data/train-{000000..000007}.tar')")
     sources = expand_sources(cfg.train_shards)
     weights = list(cfg.train_weights) if cfg.train_weights is not None else [1.0] * len(sources)
     if len(weights) != len(sources) or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"data.train_weights {cfg.train_weights} needs one non-negative weight per "
+        raise ConfigError(f"data.train_weights {cfg.train_weights} needs one non-negative weight per "
                          f"'::'-separated source of data.train_shards ({len(sources)}), not all zero")
     if cfg.policy == "exact" and any(w != int(w) for w in weights):
-        raise ValueError(f"data.train_weights {weights}: with data.policy=exact a weight is how often a "
+        raise ConfigError(f"data.train_weights {weights}: with data.policy=exact a weight is how often a "
                          "source's shards appear per epoch, a whole number; use data.policy=resampled "
                          "for fractional weights")
     schedule = EpochSchedule(sources, weights, cfg.policy, seed, world_size, workers, micro_batch_size)
@@ -183,10 +183,10 @@ def build_epoch_schedule(cfg: DataConfig, *, micro_batch_size: int, world_size: 
     if cfg.policy == "resampled":
         schedule.epoch_batches = cfg.epoch_batches or sum(schedule.counts.values()) // (world_size * micro_batch_size)
         if schedule.epoch_batches < 1:
-            raise ValueError(f"{sum(schedule.counts.values())} samples make no batch of {micro_batch_size} per "
+            raise ConfigError(f"{sum(schedule.counts.values())} samples make no batch of {micro_batch_size} per "
                              f"rank on {world_size} ranks; set data.epoch_batches")
     elif len(schedule.urls) < world_size:
-        raise ValueError(f"{len(schedule.urls)} training shard(s) cannot feed {world_size} ranks: each rank "
+        raise ConfigError(f"{len(schedule.urls)} training shard(s) cannot feed {world_size} ranks: each rank "
                          "needs at least one. Write more, smaller shards (`rsclip-ds make-shards "
                          "--shard-size` / `make-synthetic --shard-size` smaller), use data.policy=resampled, "
                          "or launch fewer ranks.")
