@@ -24,7 +24,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rsclip_ds.checkpoint import Checkpointer, checkpoint_root, prepare_fresh_root, resume_tag, write_hf_extras
+from rsclip_ds.checkpoint import (Checkpointer, checkpoint_root, needs_universal, prepare_fresh_root, resume_tag,
+                                  universal_ds_config, write_hf_extras)
 from rsclip_ds.config import ConfigError, RunConfig
 from rsclip_ds.data import build_train_loader, check_shared_memory, expand_urls
 from rsclip_ds.distributed import (DistInfo, StopFlag, accelerator_is_gpu, configure_logging,
@@ -138,6 +139,10 @@ class Trainer:
         tag = resume_tag(root, run.checkpoint.resume) if run.checkpoint.resume else None
         if tag is None:
             prepare_fresh_root(root, run.checkpoint.overwrite, info.rank)
+        # a tag of another world size loads through DeepSpeed's universal format, which the
+        # engine reads from its config at deepspeed.initialize: decided here, before the engine
+        if needs_universal(root, tag, info.world_size):
+            self.ds_config = universal_ds_config(self.ds_config)
         with self._phase("model"):
             bundle = self.model or build_model(run.model, run.seed, loss=run.loss.name, ds_config=self.ds_config,
                                                source=resolve_source_per_node(run.model, info.local_rank))
