@@ -68,13 +68,32 @@ class GlobalBatches:
                    "input_ids": torch.stack([t for _, t in samples])}
 
 
+def full_optimizer_state(engine, param, key: str) -> torch.Tensor:
+    """The whole ``key`` state (exp_avg, exp_avg_sq) of ``param``, on every rank (collective)."""
+    if hasattr(param, "ds_id"):   # ZeRO-3
+        return safe_get_full_optimizer_state(param, key).clone()
+    # ZeRO-1/2: 0.19.8 links a parameter to its optimizer-state fragments only when a checkpoint
+    # loads (stage_1_and_2.py _link_all_hp_params; torch's AdamW makes its state at the first
+    # step, after the link), so safe_get_full_optimizer_state fails in a run that never loaded
+    # one. The same gathering as tensor_fragment.get_full_hp_param, from the state itself:
+    full = torch.zeros(param.numel(), dtype=torch.float32)
+    mapping = param._hp_mapping
+    if mapping is not None:
+        zero = engine.optimizer
+        flat = zero.optimizer.state[zero.single_partition_of_fp32_groups[mapping.param_group_index]][key]
+        lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+        full.narrow(0, lp.start, lp.numel).copy_(flat.narrow(0, hp.start, hp.numel))
+    torch.distributed.all_reduce(full, group=param._dp_group)
+    return full.view(param.shape)
+
+
 def engine_state(engine) -> dict:
     """Full tensors on every rank (collective at ZeRO-3: every rank must call it)."""
     params = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     state = {
         "fp32": {n: safe_get_full_fp32_param(p).clone() for n, p in params},
-        "exp_avg": {n: safe_get_full_optimizer_state(p, "exp_avg").clone() for n, p in params},
-        "exp_avg_sq": {n: safe_get_full_optimizer_state(p, "exp_avg_sq").clone() for n, p in params},
+        "exp_avg": {n: full_optimizer_state(engine, p, "exp_avg") for n, p in params},
+        "exp_avg_sq": {n: full_optimizer_state(engine, p, "exp_avg_sq") for n, p in params},
     }
     everything = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(everything, enabled=hasattr(everything[0], "ds_id")):
