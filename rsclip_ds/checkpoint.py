@@ -69,9 +69,13 @@ def _atomic_write(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)   # the rename itself is durable only once the folder is synced
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(fd)   # the rename itself is durable only once the folder is synced
+        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -331,7 +335,7 @@ class Checkpointer:
         if self.rank == 0:
             done = json.loads((folder / UNIVERSAL_DONE).read_text())
             how = f"converted in {seconds:.1f} s" if seconds else \
-                f"converted in {done['seconds']:.1f} s by an earlier resume, reused"
+                f"converted in {done['seconds']:.1f} s earlier, reused"
             log.info("resumed step %d written by %d ranks on %d ranks (universal checkpoint, %s) from %s",
                      step, saved_world, self.world_size, how, folder)
         return resharded_client_state(self.root / tag, saved_world, self.rank, step, self.run_config.get("seed", 0))
@@ -386,6 +390,7 @@ def convert_to_universal(root: Path, tag: str, workers: int = 1) -> float:
         {"seconds": seconds, "from_world_size": meta.get("world_size"), "step": meta.get("step"),
          "deepspeed_version": _deepspeed_version()}, indent=2))
     os.replace(partial_dir, final)
+    _fsync_dir(tag_dir)   # the rename is durable
     log.debug("ds_to_universal output:\n%s", printed.getvalue())
     return seconds
 
