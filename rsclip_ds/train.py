@@ -220,7 +220,7 @@ def client_state(step: int, result: TrainResult, data: dict | None) -> dict[str,
 
 def restore_client_state(state: dict[str, Any]) -> tuple[int, TrainResult]:
     """-> (step, history). The RNG is either this rank's saved state, or, after a resume on
-    another number of ranks, a seed for CPU and every CUDA device (checkpoint.derived_seed)."""
+    another number of ranks, a seed for CPU and every CUDA device (reshard.derived_seed)."""
     rng = state["rng"]
     if "seed" in rng:
         torch.manual_seed(rng["seed"])

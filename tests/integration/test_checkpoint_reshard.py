@@ -29,9 +29,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rsclip_ds.checkpoint import (META, POINTER, UNIVERSAL_DIR, UNIVERSAL_DONE, consolidated_state_dict,
-                                  convert_to_universal, tag_for)
+from rsclip_ds.checkpoint import META, POINTER, UNIVERSAL_DIR, UNIVERSAL_DONE, consolidated_state_dict, tag_for
 from rsclip_ds.engine import warmup_cosine
+from rsclip_ds.reshard import convert_to_universal
 from tests.integration.helpers import (ROOT, deepspeed_cmd, free_port, launch_env, run_checked, summary,
                                      train_args)
 

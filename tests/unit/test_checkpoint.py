@@ -160,7 +160,7 @@ def _tag_of_ranks(tmp_path, world: int, data=lambda r: {"position": 10 + r}):
 
 
 def test_universal_loading_is_decided_by_the_saved_world_size(tmp_path):
-    from rsclip_ds.checkpoint import needs_universal, universal_ds_config
+    from rsclip_ds.reshard import needs_universal, universal_ds_config
 
     root, _ = _tag_of_ranks(tmp_path, world=2)
     assert not needs_universal(root, tag_for(4), 2) and needs_universal(root, tag_for(4), 3)
@@ -172,7 +172,7 @@ def test_universal_loading_is_decided_by_the_saved_world_size(tmp_path):
 
 
 def test_new_ranks_get_every_old_ranks_data_a_derived_seed_and_the_history(tmp_path):
-    from rsclip_ds.checkpoint import derived_seed, resharded_client_state
+    from rsclip_ds.reshard import derived_seed, resharded_client_state
     from rsclip_ds.train import restore_client_state
 
     _, tag_dir = _tag_of_ranks(tmp_path, world=2)
@@ -190,13 +190,15 @@ def test_new_ranks_get_every_old_ranks_data_a_derived_seed_and_the_history(tmp_p
 
 
 def test_no_loader_state_stays_none(tmp_path):
-    from rsclip_ds.checkpoint import resharded_client_state
+    from rsclip_ds.reshard import resharded_client_state
 
     _, tag_dir = _tag_of_ranks(tmp_path, world=2, data=lambda r: None)
     assert resharded_client_state(tag_dir, 2, 0, 4, seed=0)["data"] is None
 
 
 def test_a_world_size_change_needs_an_engine_built_for_universal_loading(tmp_path):
+    from rsclip_ds.reshard import load_resharded
+
     root, _ = _tag_of_ranks(tmp_path, world=2)
 
     class Engine:   # what deepspeed.initialize made without checkpoint.load_universal
@@ -204,8 +206,10 @@ def test_a_world_size_change_needs_an_engine_built_for_universal_loading(tmp_pat
             return False
 
     ck = Checkpointer(CheckpointConfig(), root, rank=0, world_size=3, run_config={"seed": 0})
-    with pytest.raises(ConfigError, match="written by 2 ranks, this run has 3: build the engine with universal_ds_config"):
+    with pytest.raises(ConfigError, match="written by 2 ranks, this run has 3: load it with rsclip_ds.reshard"):
         ck.load(Engine(), "latest")
+    with pytest.raises(ConfigError, match="written by 2 ranks, this run has 3: build the engine from universal_ds_config"):
+        load_resharded(ck, Engine(), "latest")
 
 
 def test_a_resave_drops_the_old_conversion(tmp_path):
