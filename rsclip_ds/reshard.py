@@ -85,8 +85,9 @@ def convert_to_universal(root: Path, tag: str, workers: int = 1) -> float:
     seconds it took (0.0 when a complete conversion is already there). One process (rank 0).
 
     In-process, DeepSpeed 0.19.8's ds_to_universal.main; ``workers`` 1 runs its extraction and
-    merge loops serially, without a process pool (forking a rank that holds gloo threads is
-    asking for trouble; more only pays off on large models). The folder is written as
+    merge loops serially, without its ProcessPoolExecutor (which would fork the rank with its
+    gloo and heartbeat threads; not tried, and the tiny model converts in about a second). The
+    folder is written as
     `universal.partial`, marked with rsclip_universal.json and renamed: a conversion killed
     midway is redone, never half-used. Inside the tag folder it is pruned with its tag and
     never mistaken for one."""
