@@ -11,6 +11,9 @@ Layout (docs/checkpoints.md):
             rsclip_history.json   the run's per-step losses, learning rates and evaluations
             hf/                   config.json, tokenizer, preprocessor_config.json (no weights)
             mp_rank_00_model_states.pt, *_optim_states.pt   DeepSpeed's shards
+            universal/            DeepSpeed's universal format of this tag, made by the first resume
+                                  on another number of ranks (reshard.py; rsclip_universal.json
+                                  marks it complete)
 
 DeepSpeed's own `latest` file is written by rank 0 before the other ranks finish their shards,
 so we save with `save_latest=False` and never read it. The pointer moves after a barrier that
@@ -44,6 +47,8 @@ META = "rsclip_meta.json"
 HF_DIR = "hf"
 RANK_FILE = "rsclip_rank{:05d}.pt"   # one rank's RNG and data position
 HISTORY = "rsclip_history.json"     # the run's losses, learning rates, evaluations (rank 0, once)
+UNIVERSAL_DIR = "universal"         # in a tag folder: its DeepSpeed universal conversion (not a tag)
+UNIVERSAL_DONE = "rsclip_universal.json"   # in UNIVERSAL_DIR: written last, marks a complete conversion
 _TAG = re.compile(r"^step(\d{8})$")
 
 
@@ -244,6 +249,7 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             stale = self.root / tag / META   # a re-save after a resume: not complete until re-marked
             stale.unlink(missing_ok=True)
+            shutil.rmtree(self.root / tag / UNIVERSAL_DIR, ignore_errors=True)   # converted from the old shards
         engine.save_checkpoint(str(self.root), tag=tag, save_latest=False,
                                client_state={"rsclip": {"step": step, "version": __version__}})
         (self.root / tag).mkdir(parents=True, exist_ok=True)
@@ -277,14 +283,15 @@ class Checkpointer:
 
     def load(self, engine, resume: str) -> dict[str, Any]:
         """Load engine state (module, optimizer, scheduler) and return this rank's client state
-        (what `train.client_state` made). ``resume``: a tag or 'latest' (resume_tag)."""
+        (what `train.client_state` made). ``resume``: a tag or 'latest' (resume_tag) written by
+        as many ranks as this run has; another number goes through reshard.load_resharded."""
         tag = resume_tag(self.root, resume)
         if tag is None:
             raise ConfigError(f"--resume {resume}: no complete checkpoint in {self.root}")
         saved_world = load_meta(self.root, tag).get("world_size")
         if saved_world != self.world_size:
-            raise ConfigError(f"checkpoint {tag} was written by {saved_world} ranks, this run has "
-                              f"{self.world_size}: resume exactly needs the same world size")
+            raise ConfigError(f"checkpoint {tag} was written by {saved_world} ranks, this run has {self.world_size}: "
+                              f"load it with rsclip_ds.reshard.load_resharded (Trainer.build does)")
         with weights_only_loads():
             path, client = engine.load_checkpoint(str(self.root), tag=tag)
         if path is None:

@@ -219,16 +219,26 @@ def client_state(step: int, result: TrainResult, data: dict | None) -> dict[str,
 
 
 def restore_client_state(state: dict[str, Any]) -> tuple[int, TrainResult]:
-    torch.set_rng_state(state["rng"]["torch"])
-    cuda = state["rng"]["cuda"]
+    """-> (step, history). The RNG is either this rank's saved state, or, after a resume on
+    another number of ranks, a seed for CPU and every CUDA device (reshard.derived_seed)."""
+    rng = state["rng"]
+    if "seed" in rng:
+        torch.manual_seed(rng["seed"])
+    else:
+        _set_saved_rng(rng)
+    result = TrainResult.from_dict(state["result"])
+    result.resumed_from.append(state["step"])
+    return state["step"], result
+
+
+def _set_saved_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    cuda = rng["cuda"]
     if cuda is not None and torch.cuda.is_available():
         if isinstance(cuda, (list, tuple)):   # checkpoints of rsclip_ds 0.1: every visible device's
             cuda = cuda[torch.cuda.current_device()] if torch.cuda.current_device() < len(cuda) else None
         if cuda is not None:
             torch.cuda.set_rng_state(cuda)
-    result = TrainResult.from_dict(state["result"])
-    result.resumed_from.append(state["step"])
-    return state["step"], result
 
 
 def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes, steps: int,

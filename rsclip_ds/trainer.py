@@ -43,6 +43,7 @@ from rsclip_ds.profiles import (BatchSizes, Profile, activation_checkpointing_en
 from rsclip_ds.reporting.curves import plot_curves
 from rsclip_ds.reporting.progress import ProgressReporter
 from rsclip_ds.reporting.summary import build_summary, print_summary, write_summary
+from rsclip_ds.reshard import load_resharded, needs_universal, universal_ds_config
 from rsclip_ds.storage import check_shared_dir, decide_on_rank0
 from rsclip_ds.train import Guard, Preempted, TrainResult, train
 
@@ -143,6 +144,11 @@ class Trainer:
         tag = decide_on_rank0(lambda: resume_tag(root, c.resume)) if c.resume else None
         if tag is None:
             prepare_fresh_root(root, run.checkpoint.overwrite, info.rank)
+        # a tag of another world size loads through DeepSpeed's universal format, which the
+        # engine reads from its config at deepspeed.initialize: decided here, before the engine
+        resharded = needs_universal(root, tag, info.world_size)
+        if resharded:
+            self.ds_config = universal_ds_config(self.ds_config)
         with self._phase("model"):
             bundle = self.model or build_model(run.model, run.seed, loss=run.loss.name, ds_config=self.ds_config,
                                                source=resolve_source_per_node(run.model, info.local_rank))
@@ -166,7 +172,12 @@ class Trainer:
                                   lr_scheduler(o.warmup_steps, run.steps, o.min_lr_ratio))
         checkpointer = self._checkpointer(bundle)
         with self._phase("resume"):
-            resume = checkpointer.load(engine, tag) if tag else None
+            if tag is None:
+                resume = None
+            elif resharded:   # written by another number of ranks
+                resume = load_resharded(checkpointer, engine, tag)
+            else:
+                resume = checkpointer.load(engine, tag)
             if resume is None and run.precision != "fp32" and bundle.source and bundle.source.folder:
                 set_fp32_masters(engine, Path(bundle.source.folder))   # not rounded to the 16-bit dtype
         with self._phase("loader"):

@@ -140,3 +140,98 @@ def test_a_pointer_to_a_tag_that_lost_its_meta_falls_back_to_the_newest_complete
     out, root = _fake_run(tmp_path, steps=(4, 8), incomplete=(12,), pointer=12)
     assert resolve_checkpoint(out) == (root, "step00000008")
     assert resume_tag(root, "latest") == "step00000008"
+
+
+# --------------------------------------------------------------------------- another number of ranks
+
+def _tag_of_ranks(tmp_path, world: int, data=lambda r: {"position": 10 + r}):
+    """A complete tag written by ``world`` ranks: meta, each rank's client file, the history."""
+    from rsclip_ds.checkpoint import HISTORY, RANK_FILE
+
+    root = tmp_path / "checkpoints"
+    tag_dir = root / tag_for(4)
+    tag_dir.mkdir(parents=True)
+    (tag_dir / META).write_text(json.dumps({"step": 4, "world_size": world}))
+    for r in range(world):
+        torch.save({"step": 4, "data": data(r), "rng": {"torch": torch.get_rng_state(), "cuda": None}},
+                   tag_dir / RANK_FILE.format(r))
+    (tag_dir / HISTORY).write_text(json.dumps(TrainResult(losses=[4.0, 3.0, 2.0, 1.0]).to_dict()))
+    return root, tag_dir
+
+
+def test_universal_loading_is_decided_by_the_saved_world_size(tmp_path):
+    from rsclip_ds.reshard import needs_universal, universal_ds_config
+
+    root, _ = _tag_of_ranks(tmp_path, world=2)
+    assert not needs_universal(root, tag_for(4), 2) and needs_universal(root, tag_for(4), 3)
+    assert not needs_universal(root, None, 3)   # a fresh start
+    base = {"train_batch_size": 12, "checkpoint": {"tag_validation": "Warn"}}
+    assert universal_ds_config(base) == {"train_batch_size": 12,
+                                         "checkpoint": {"tag_validation": "Warn", "load_universal": True}}
+    assert "load_universal" not in base["checkpoint"]   # a copy
+
+
+def test_new_ranks_get_every_old_ranks_data_a_derived_seed_and_the_history(tmp_path):
+    from rsclip_ds.reshard import derived_seed, resharded_client_state
+    from rsclip_ds.train import restore_client_state
+
+    _, tag_dir = _tag_of_ranks(tmp_path, world=2)
+    states = [resharded_client_state(tag_dir, 2, rank, 4, seed=7) for rank in range(3)]
+    assert all(s["data"] == {"remap_from": [{"position": 10}, {"position": 11}]} for s in states)
+    seeds = [s["rng"]["seed"] for s in states]
+    assert seeds == [derived_seed(7, 4, r) for r in range(3)] and len(set(seeds)) == 3
+    assert derived_seed(7, 4, 0) != derived_seed(8, 4, 0) != derived_seed(7, 5, 0)
+    assert 0 <= min(seeds) and max(seeds) < 2 ** 63
+    step, result = restore_client_state(states[1])
+    assert step == 4 and result.losses == [4.0, 3.0, 2.0, 1.0] and result.resumed_from == [4]
+    first = torch.rand(3)
+    restore_client_state(states[1])
+    assert torch.equal(torch.rand(3), first)   # the same stream on every resume of that tag and size
+
+
+def test_no_loader_state_stays_none(tmp_path):
+    from rsclip_ds.reshard import resharded_client_state
+
+    _, tag_dir = _tag_of_ranks(tmp_path, world=2, data=lambda r: None)
+    assert resharded_client_state(tag_dir, 2, 0, 4, seed=0)["data"] is None
+
+
+def test_a_world_size_change_needs_an_engine_built_for_universal_loading(tmp_path):
+    from rsclip_ds.reshard import load_resharded
+
+    root, _ = _tag_of_ranks(tmp_path, world=2)
+
+    class Engine:   # what deepspeed.initialize made without checkpoint.load_universal
+        def load_universal_checkpoint(self):
+            return False
+
+    ck = Checkpointer(CheckpointConfig(), root, rank=0, world_size=3, run_config={"seed": 0})
+    with pytest.raises(ConfigError, match="written by 2 ranks, this run has 3: load it with rsclip_ds.reshard"):
+        ck.load(Engine(), "latest")
+    with pytest.raises(ConfigError, match="written by 2 ranks, this run has 3: build the engine from universal_ds_config"):
+        load_resharded(ck, Engine(), "latest")
+
+
+def test_a_resave_drops_the_old_conversion(tmp_path):
+    """A tag saved again (a run resumed from an older tag) must not keep the universal folder
+    converted from its previous shards."""
+    from rsclip_ds.checkpoint import UNIVERSAL_DIR, UNIVERSAL_DONE
+
+    root, tag_dir = _tag_of_ranks(tmp_path, world=1)
+    (tag_dir / UNIVERSAL_DIR).mkdir()
+    (tag_dir / UNIVERSAL_DIR / UNIVERSAL_DONE).write_text("{}")
+
+    class Engine:
+        def save_checkpoint(self, *args, **kwargs):
+            pass
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)   # the save's barrier
+    try:
+        ck = Checkpointer(CheckpointConfig(), root, rank=0, world_size=1, run_config={})
+        ck.save(Engine(), 4, {"result": TrainResult().to_dict(), "step": 4, "data": None, "rng": None})
+    finally:
+        dist.destroy_process_group()
+    assert not (tag_dir / UNIVERSAL_DIR).exists() and (tag_dir / META).is_file()
+    assert complete_tags(root) == [tag_for(4)]
