@@ -12,9 +12,10 @@ Each case resumes a copy of its step-2 checkpoint on W' ranks and checks:
       loss is the one a lost or wrong optimizer state would change: step 3's update makes it;
   (c) the run finishes its 4 steps with finite losses and saves a checkpoint of W' ranks;
   (d) the learning rate of step 3 is the schedule's (warmup_cosine) and the first run's.
-Matrix: 2 -> 3 ranks at ZeRO-1, 2 and 3, and 2 -> 1 at ZeRO-3 (the stage whose load rsclip_ds
-repairs), that one reusing a conversion made beforehand. The data position part is its own
-test at the end: the shard loader learns to remap it in another branch.
+Matrix: 2 -> 3 ranks at ZeRO-1 and 3, and 2 -> 1 at ZeRO-3 (the stage whose load rsclip_ds
+repairs), that one reusing a conversion made beforehand. ZeRO-2 loads through the same DeepSpeed
+code as ZeRO-1 (stage_1_and_2.py; 2 -> 3 passed there too when written, left out to keep the
+suite's time). The data position part is its own test at the end, through the shard loader.
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ def assert_equal(a: dict, b: dict, what: str) -> None:
     assert worst == 0.0, f"{what} differ by up to {worst}"
 
 
-@pytest.mark.parametrize("stage,new_world", [(1, 3), (2, 3), (3, 3), (3, 1)],
-                         ids=["zero1-2to3", "zero2-2to3", "zero3-2to3", "zero3-2to1"])
+@pytest.mark.parametrize("stage,new_world", [(1, 3), (3, 3), (3, 1)],
+                         ids=["zero1-2to3", "zero3-2to3", "zero3-2to1"])
 def test_resume_on_another_number_of_ranks(launch_data, first_run, tmp_path, stage, new_world):
     first = first_run(stage)
     out = tmp_path / "resumed"
