@@ -18,6 +18,16 @@ measures in 0.19.8):
     ZeRO-1 = ZeRO-2  pΨ + (g+k)Ψ_t/G (the gradient partition, alive from backward to the step)
     ZeRO-3  pΨ/G + (g+k)Ψ_t/G
     ZeRO-2 + optimizer offload  pΨ        ZeRO-3 + optimizer offload  pΨ/G     + param offload  0
+    ZeRO-3 + hpZ (zero_hpz_partition_size h)  + pΨ/h: the secondary partition, a 16-bit copy sharded
+            over the node, made at a parameter's first release in a step and dropped by the step
+            (alive through forward/backward, where the peak is; counted as a state)
+    MiCS (mics_shard_size s)  pΨ/s + (g+k)Ψ_t/s: every state sharded over the shard group, not
+            the world (the other replicas hold the same shard)
+    ZeRO++ quantisation (qwZ, qgZ): transient buffers only, counted with the buckets: qwZ's int8
+            gather buffer of a prefetch bucket (1 byte per element, + 4 per 8000 for scales);
+            qgZ's int4 copies of the gradient being reduced (its swizzled input, the all-to-all
+            output and the node-reduced share: ~1.5 bytes per element of the largest parameter).
+            Tens of MB for git-rsclip-large: not material beside its states.
 With offload the CPU of a node holds (k + m)Ψ_t n/G (the master's gradient, m = 4 bytes for fp32
 masters, 2 for bf16, lives there too), at ZeRO-3 + gΨ_t n/G (a flat gradient partition), plus
 pΨ n/G with parameter offload.
@@ -309,15 +319,19 @@ class StateBytes:
 
 
 def model_state_bytes(params: int, stage: int, offload_optimizer: bool, offload_param: bool, precision: str,
-                      gpus: int, gpus_per_node: int, trainable: int | None = None, master: str = "fp32") -> StateBytes:
+                      gpus: int, gpus_per_node: int, trainable: int | None = None, master: str = "fp32",
+                      hpz: int = 1, shard: int = 0) -> StateBytes:
     """Model states of one rank (formulas in the module docstring). ``trainable``: elements with
     gradients and optimizer states (locked towers and LoRA's frozen weights have neither); the
-    weights' p bytes count for all ``params``. ``master``: bf16.master_weights."""
+    weights' p bytes count for all ``params``. ``master``: bf16.master_weights. ZeRO-3 only:
+    ``hpz``, hpZ's secondary partition group (1: off); ``shard``, MiCS's shard group (0: the world)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage {stage} is not modelled (1, 2 or 3)")
+    if stage < 3 and (hpz > 1 or shard):
+        raise ValueError("hpZ and MiCS are ZeRO-3 options")
     p, g, k = state_bytes(precision, master)
     m = MASTER_BYTES[master]                              # the master's gradient in the step
-    psi, G, n = params, gpus, gpus_per_node
+    psi, G, n = params, shard or gpus, gpus_per_node
     t = psi if trainable is None else trainable            # Ψ_t: what has gradients and states
     part, tpart = math.ceil(psi / G), math.ceil(t / G)
     cpu = 4 * psi * n                                     # every rank builds the fp32 model on CPU
@@ -328,7 +342,7 @@ def model_state_bytes(params: int, stage: int, offload_optimizer: bool, offload_
         if offload_optimizer:
             gpu, cpu = p * psi, max(cpu, (k + m) * tpart * n)
         return StateBytes(gpu, cpu)
-    gpu = p * part + (g + k) * tpart
+    gpu = p * part + (g + k) * tpart + (p * math.ceil(psi / hpz) if hpz > 1 else 0)
     if offload_optimizer:
         gpu = p * part
         # + the flat gradient partition (`grad_partitions_flat_buffer`) next to the fp32 one
@@ -399,9 +413,11 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
     p, g, _ = state_bytes(precision, master)
     mg = MASTER_BYTES[master]
     psi, t, G = spec.params, spec.trainable, gpus
-    tpart = math.ceil(t / G)
+    hpz = int(zero.get("zero_hpz_partition_size", 1) or 1)
+    shard = max(0, int(zero.get("mics_shard_size", -1) or -1))
+    tpart = math.ceil(t / (shard or G))                  # the partition: MiCS shards over its group
     states = model_state_bytes(psi, stage, profile.offload_optimizer, profile.offload_param, precision, G,
-                               gpus_per_node, trainable=t, master=master)
+                               gpus_per_node, trainable=t, master=master, hpz=hpz, shard=shard)
     # forward/backward: activations, the loss, the batch
     act = sum(activation_bytes_per_sample(_config(spec), precision, checkpointing, spec.finetune_json,
                                           stage == 3 and spec.trainable < spec.params).values()) * micro
@@ -451,6 +467,7 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
         else:
             gathered = p * min(psi, reuse // 2 + spec.largest_layer)
         gradients, buckets = awaiting, min(bucket, t) * g if device == "cpu" else bucket * g
+        buckets += quantisation_buffers(zero, spec.largest_layer)
         sub = min(tpart, int(zero.get("sub_group_size", 1e9)))
         # the sub-group's fp32 gradient (bf16 masters: its flat bf16 copy, or the cast of an fp32
         # sum) and AdamW's temporaries; ZeRO-3's one reduce bucket is allocated at start-up and
@@ -462,6 +479,14 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
     host_states = states.cpu_node // gpus_per_node if (profile.offload_optimizer or profile.offload_param) else 0
     return Peak(states.gpu + grad_extra, act, logits, inputs, gradients, buckets, gathered, step,
                 host_states + host_extra, host_step, RESERVE if device == "cuda" else 0)
+
+
+def quantisation_buffers(zero: dict, largest_layer: int) -> int:
+    """ZeRO++'s transient buffers (module docstring): qwZ's int8 gather buffer of one prefetch
+    bucket with its scales, qgZ's int4 copies of the largest gradient."""
+    qwz = int(int(zero.get("stage3_prefetch_bucket_size", 5e7)) * (1 + 4 / 8000)) if zero.get("zero_quantized_weights") else 0
+    qgz = int(1.5 * largest_layer) if zero.get("zero_quantized_gradients") else 0
+    return qwz + qgz
 
 
 def _accumulates_in_fp32(profile, grad_accum: str, master: str = "fp32") -> bool:
