@@ -18,16 +18,8 @@ measures in 0.19.8):
     ZeRO-1 = ZeRO-2  pΨ + (g+k)Ψ_t/G (the gradient partition, alive from backward to the step)
     ZeRO-3  pΨ/G + (g+k)Ψ_t/G
     ZeRO-2 + optimizer offload  pΨ        ZeRO-3 + optimizer offload  pΨ/G     + param offload  0
-    ZeRO-3 + hpZ (zero_hpz_partition_size h)  + pΨ/h: the secondary partition, a 16-bit copy sharded
-            over the node, made at a parameter's first release in a step and dropped by the step
-            (alive through forward/backward, where the peak is; counted as a state)
-    MiCS (mics_shard_size s)  pΨ/s + (g+k)Ψ_t/s: every state sharded over the shard group, not
-            the world (the other replicas hold the same shard)
-    ZeRO++ quantisation (qwZ, qgZ): transient buffers only, counted with the buckets: qwZ's int8
-            gather buffer of a prefetch bucket (1 byte per element, + 4 per 8000 for scales);
-            qgZ's int4 copies of the gradient being reduced (its swizzled input, the all-to-all
-            output and the node-reduced share: ~1.5 bytes per element of the largest parameter).
-            Tens of MB for git-rsclip-large: not material beside its states.
+    ZeRO-3 + hpZ (group h): + pΨ/h, the secondary partition (alive from a parameter's first release
+    to the step); MiCS (group s): pΨ/s + (g+k)Ψ_t/s; ZeRO++: tens of MB (`quantisation_buffers`)
 With offload the CPU of a node holds (k + m)Ψ_t n/G (the master's gradient, m = 4 bytes for fp32
 masters, 2 for bf16, lives there too), at ZeRO-3 + gΨ_t n/G (a flat gradient partition), plus
 pΨ n/G with parameter offload.
@@ -60,6 +52,8 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 import torch
+
+from rsclip_ds.comms import hybrid_settings
 
 GiB = 2**30
 # Allocator fragmentation, on the bytes that churn (activations, buckets, gathered layers,
@@ -323,8 +317,7 @@ def model_state_bytes(params: int, stage: int, offload_optimizer: bool, offload_
                       hpz: int = 1, shard: int = 0) -> StateBytes:
     """Model states of one rank (formulas in the module docstring). ``trainable``: elements with
     gradients and optimizer states (locked towers and LoRA's frozen weights have neither); the
-    weights' p bytes count for all ``params``. ``master``: bf16.master_weights. ZeRO-3 only:
-    ``hpz``, hpZ's secondary partition group (1: off); ``shard``, MiCS's shard group (0: the world)."""
+    weights' p bytes count for all ``params``. ``master``: bf16.master_weights. ZeRO-3: ``hpz``, ``shard``: hpZ's and MiCS's groups (1, 0: off)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage {stage} is not modelled (1, 2 or 3)")
     if stage < 3 and (hpz > 1 or shard):
@@ -413,11 +406,10 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
     p, g, _ = state_bytes(precision, master)
     mg = MASTER_BYTES[master]
     psi, t, G = spec.params, spec.trainable, gpus
-    hpz = int(zero.get("zero_hpz_partition_size", 1) or 1)
-    shard = max(0, int(zero.get("mics_shard_size", -1) or -1))
-    tpart = math.ceil(t / (shard or G))                  # the partition: MiCS shards over its group
+    h = hybrid_settings(zero, gpus_per_node, G)          # hpZ's and MiCS's groups (0: off)
+    tpart = math.ceil(t / (h["mics"] or G))              # the partition: MiCS shards over its group
     states = model_state_bytes(psi, stage, profile.offload_optimizer, profile.offload_param, precision, G,
-                               gpus_per_node, trainable=t, master=master, hpz=hpz, shard=shard)
+                               gpus_per_node, trainable=t, master=master, hpz=h["hpz"] or 1, shard=h["mics"])
     # forward/backward: activations, the loss, the batch
     act = sum(activation_bytes_per_sample(_config(spec), precision, checkpointing, spec.finetune_json,
                                           stage == 3 and spec.trainable < spec.params).values()) * micro
@@ -482,11 +474,10 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
 
 
 def quantisation_buffers(zero: dict, largest_layer: int) -> int:
-    """ZeRO++'s transient buffers (module docstring): qwZ's int8 gather buffer of one prefetch
-    bucket with its scales, qgZ's int4 copies of the largest gradient."""
-    qwz = int(int(zero.get("stage3_prefetch_bucket_size", 5e7)) * (1 + 4 / 8000)) if zero.get("zero_quantized_weights") else 0
-    qgz = int(1.5 * largest_layer) if zero.get("zero_quantized_gradients") else 0
-    return qwz + qgz
+    """ZeRO++'s transient buffers: qwZ's int8 gather of a prefetch bucket (+ an fp32 scale per 8000),
+    qgZ's int4 copies of the largest gradient (swizzled, exchanged, node-reduced: ~1.5 B/element)."""
+    qwz = zero.get("zero_quantized_weights") and int(zero.get("stage3_prefetch_bucket_size", 5e7)) * (1 + 4 / 8000)
+    return int(qwz or 0) + (int(1.5 * largest_layer) if zero.get("zero_quantized_gradients") else 0)
 
 
 def _accumulates_in_fp32(profile, grad_accum: str, master: str = "fp32") -> bool:
