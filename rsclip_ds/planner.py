@@ -39,11 +39,16 @@ NOTES = {"zero3_zeropp": "lossy: int8 weights in all-gathers, int4 gradients (Ze
 
 
 def hybrid_profile(name: str, gpus_per_node: int):
-    """The profile `name` of HYBRID for nodes of `gpus_per_node`: its JSON if ds_profiles/ has it,
-    else zero3's, with the table's keys set."""
+    """The profile `name` of HYBRID for nodes of `gpus_per_node`: its JSON if ds_profiles/ has one
+    that loads, else zero3's, with the table's keys set. (A zero3_mics.json does not load on
+    DeepSpeed 0.19.8: its schema rejects mics_shard_size.)"""
+    from rsclip_ds.config import ConfigError
     from rsclip_ds.profiles import available_profiles, load_profile
 
-    base = load_profile(name if name in available_profiles() else "zero3")
+    try:
+        base = load_profile(name if name in available_profiles() else "zero3")
+    except ConfigError:
+        base = load_profile("zero3")
     strategy = copy.deepcopy(base.strategy)
     zero = strategy.setdefault("zero_optimization", {})
     zero.update({k: gpus_per_node if v == "per_node" else v for k, v in HYBRID[name].items()})
