@@ -3,6 +3,9 @@
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 benchmarks/comms.py --out benchmarks/results/comms_w2.json
     DS_ACCELERATOR=cpu deepspeed --num_gpus 3 benchmarks/comms.py --out benchmarks/results/comms_w3.json
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 benchmarks/comms.py --bucket 1000000 --out /tmp/comms_b1m.json
+    # hpZ: zero3 with zero_hpz_partition_size 2 on 4 ranks (two "nodes" of 2), beside plain zero3 (~5 min)
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 4 benchmarks/comms.py --profiles zero3+hpz2 zero3 --hidden 256 \
+        --out benchmarks/results/comms_w4_hpz.json
 
 For every profile in ds_profiles/ (a copy with DeepSpeed's comms logger switched on:
 `"comms_logger": {"enabled": true, "prof_all": true}`; --bucket also shrinks its bucket sizes)
@@ -24,6 +27,10 @@ against `rsclip_ds.comms.step_traffic` in the message convention: the engine's c
 (logged) and the engine's + the loss's (c10d). Target: both within 5%. Ratios are measured /
 predicted; bytes are the largest rank's (partitions differ by padding). Writes the JSON given
 by --out; rank 0 prints the table. ~2 minutes on 2 CPU ranks of a 2-core machine (15 builds).
+
+Of the hybrid ZeRO-3 strategies only hpZ runs on CPU ranks: qwZ and qgZ quantise with DeepSpeed's
+CUDA QuantizerBuilder op, and DeepSpeed 0.19.8 removed MiCS (`mics_shard_size` is a
+DeepSpeedConfigError).
 """
 
 from __future__ import annotations
@@ -82,16 +89,33 @@ def random_batches(micro: int, rank: int):
                "input_ids": torch.randint(0, VOCAB, (micro, TOKENS), generator=g)}          # (B,L)
 
 
+def split_hpz(name: str) -> tuple[str, int]:
+    """'zero3+hpz2' -> ('zero3', 2): a ZeRO-3 profile with zero_hpz_partition_size 2; 'zero3' -> ('zero3', 1)."""
+    base, _, hpz = name.partition("+hpz")
+    return base, int(hpz or 1)
+
+
+def run_order(names: list[str]) -> list[str]:
+    """hpZ cases last: DeepSpeed 0.19.8 keeps the hpZ group it creates in a module global
+    (`groups._ZERO_PARAM_INTRA_PARALLEL_GROUP`) and hands it to every later ZeRO-3 engine of the
+    process, so a plain zero3 built after an hpZ one gathers from the secondary too (measured)."""
+    return sorted(names, key=lambda n: split_hpz(n)[1] > 1)
+
+
 def logged_profile(name: str, folder: Path, bucket: int | None) -> Path:
-    """A copy of the shipped profile with the comms logger on (and its buckets at `bucket`)."""
-    raw = json.loads(load_profile(name).path.read_text())
+    """A copy of the shipped profile with the comms logger on (and its buckets at `bucket`);
+    'NAME+hpzH' adds zero_hpz_partition_size H (hpZ's secondary partition over groups of H ranks)."""
+    base, hpz = split_hpz(name)
+    raw = json.loads(load_profile(base).path.read_text())
     raw["comms_logger"] = {"enabled": True, "prof_all": True, "verbose": False, "debug": False}
+    if hpz > 1:
+        raw["zero_optimization"]["zero_hpz_partition_size"] = hpz
     if bucket:
         zero = raw["zero_optimization"]
         for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
             if key in zero:
                 zero[key] = bucket
-    path = folder / f"{name}.json"
+    path = folder / f"{name.replace('+', '_')}.json"
     path.write_text(json.dumps(raw))
     return path
 
@@ -147,7 +171,7 @@ def run_case(name: str, k: int, mode: str, args, folder: Path) -> dict:
     config = siglip_config(args.hidden)
     model = new_dual_encoder(config, args.loss, seed=0)
     sizes = [p.numel() for p in model.parameters()]                # before ZeRO-3 partitions them
-    zero = load_profile(run.profile).strategy["zero_optimization"]
+    zero = load_profile(run.profile).strategy["zero_optimization"]   # with hpZ's group size if set
     threshold = int(zero.get("stage3_param_persistence_threshold", 1e5))
     in_layers = layer_elements(model, threshold)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -205,6 +229,7 @@ def compare(name, prof, k, mode, engine_traffic, loss_part, logged, calls, seen,
     row = {
         "profile": name, "stage": prof.stage, "offload_optimizer": prof.offload_optimizer,
         "offload_param": prof.offload_param, "accumulation": k, "mode": mode, "optimizer": optimizer,
+        "hpz": split_hpz(name)[1],
         "parameters": params, "trainable": trainable, "persistent": persistent,
         "engine": {"predicted": sum(pred_engine.values()), "logged": logged_total,
                    "by_op": {op: {"predicted": pred_engine.get(op, 0.0), "logged": logged_ps.get(op, 0.0),
@@ -247,7 +272,9 @@ def print_table(report: dict) -> None:
 
 def parse_args(argv):
     parser = base_parser(__doc__)
-    parser.add_argument("--profiles", nargs="*", default=None, help="default: every ds_profiles/*.json")
+    parser.add_argument("--profiles", nargs="*", default=None,
+                        help="default: every ds_profiles/*.json; NAME+hpzH: a ZeRO-3 profile with hpZ over H ranks "
+                             "(e.g. zero3+hpz2 on 4 ranks: two 'nodes' of 2), run after the others")
     parser.add_argument("--accumulation", nargs="+", type=int, default=[1, 4], help="micro-batches per step")
     parser.add_argument("--modes", nargs="+", default=["plain", "global"], choices=("plain", "global"),
                         help="accumulation loops for accumulation > 1 (at 1 they are the same step)")
@@ -265,7 +292,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     with process_group(args.threads) as info, tempfile.TemporaryDirectory() as tmp:
         t0, rows = time.perf_counter(), []
-        for name in args.profiles or available_profiles():
+        for name in run_order(args.profiles or available_profiles()):
             for k in args.accumulation:
                 for mode in (args.modes if k > 1 else ["plain"]):
                     row = run_case(name, k, mode, args, Path(tmp))

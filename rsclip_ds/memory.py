@@ -18,6 +18,8 @@ measures in 0.19.8):
     ZeRO-1 = ZeRO-2  pΨ + (g+k)Ψ_t/G (the gradient partition, alive from backward to the step)
     ZeRO-3  pΨ/G + (g+k)Ψ_t/G
     ZeRO-2 + optimizer offload  pΨ        ZeRO-3 + optimizer offload  pΨ/G     + param offload  0
+    ZeRO-3 + hpZ (group h): + pΨ/h, the secondary partition (alive from a parameter's first release
+    to the step); MiCS (group s): pΨ/s + (g+k)Ψ_t/s; ZeRO++: tens of MB (`quantisation_buffers`)
 With offload the CPU of a node holds (k + m)Ψ_t n/G (the master's gradient, m = 4 bytes for fp32
 masters, 2 for bf16, lives there too), at ZeRO-3 + gΨ_t n/G (a flat gradient partition), plus
 pΨ n/G with parameter offload.
@@ -50,6 +52,8 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 import torch
+
+from rsclip_ds.comms import hybrid_settings
 
 GiB = 2**30
 # Allocator fragmentation, on the bytes that churn (activations, buckets, gathered layers,
@@ -309,15 +313,18 @@ class StateBytes:
 
 
 def model_state_bytes(params: int, stage: int, offload_optimizer: bool, offload_param: bool, precision: str,
-                      gpus: int, gpus_per_node: int, trainable: int | None = None, master: str = "fp32") -> StateBytes:
+                      gpus: int, gpus_per_node: int, trainable: int | None = None, master: str = "fp32",
+                      hpz: int = 1, shard: int = 0) -> StateBytes:
     """Model states of one rank (formulas in the module docstring). ``trainable``: elements with
     gradients and optimizer states (locked towers and LoRA's frozen weights have neither); the
-    weights' p bytes count for all ``params``. ``master``: bf16.master_weights."""
+    weights' p bytes count for all ``params``. ``master``: bf16.master_weights. ZeRO-3: ``hpz``, ``shard``: hpZ's and MiCS's groups (1, 0: off)."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage {stage} is not modelled (1, 2 or 3)")
+    if stage < 3 and (hpz > 1 or shard):
+        raise ValueError("hpZ and MiCS are ZeRO-3 options")
     p, g, k = state_bytes(precision, master)
     m = MASTER_BYTES[master]                              # the master's gradient in the step
-    psi, G, n = params, gpus, gpus_per_node
+    psi, G, n = params, shard or gpus, gpus_per_node
     t = psi if trainable is None else trainable            # Ψ_t: what has gradients and states
     part, tpart = math.ceil(psi / G), math.ceil(t / G)
     cpu = 4 * psi * n                                     # every rank builds the fp32 model on CPU
@@ -328,7 +335,7 @@ def model_state_bytes(params: int, stage: int, offload_optimizer: bool, offload_
         if offload_optimizer:
             gpu, cpu = p * psi, max(cpu, (k + m) * tpart * n)
         return StateBytes(gpu, cpu)
-    gpu = p * part + (g + k) * tpart
+    gpu = p * part + (g + k) * tpart + (p * math.ceil(psi / hpz) if hpz > 1 else 0)
     if offload_optimizer:
         gpu = p * part
         # + the flat gradient partition (`grad_partitions_flat_buffer`) next to the fp32 one
@@ -399,9 +406,10 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
     p, g, _ = state_bytes(precision, master)
     mg = MASTER_BYTES[master]
     psi, t, G = spec.params, spec.trainable, gpus
-    tpart = math.ceil(t / G)
+    h = hybrid_settings(zero, gpus_per_node, G)          # hpZ's and MiCS's groups (0: off)
+    tpart = math.ceil(t / (h["mics"] or G))              # the partition: MiCS shards over its group
     states = model_state_bytes(psi, stage, profile.offload_optimizer, profile.offload_param, precision, G,
-                               gpus_per_node, trainable=t, master=master)
+                               gpus_per_node, trainable=t, master=master, hpz=h["hpz"] or 1, shard=h["mics"])
     # forward/backward: activations, the loss, the batch
     act = sum(activation_bytes_per_sample(_config(spec), precision, checkpointing, spec.finetune_json,
                                           stage == 3 and spec.trainable < spec.params).values()) * micro
@@ -451,6 +459,7 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
         else:
             gathered = p * min(psi, reuse // 2 + spec.largest_layer)
         gradients, buckets = awaiting, min(bucket, t) * g if device == "cpu" else bucket * g
+        buckets += quantisation_buffers(zero, spec.largest_layer)
         sub = min(tpart, int(zero.get("sub_group_size", 1e9)))
         # the sub-group's fp32 gradient (bf16 masters: its flat bf16 copy, or the cast of an fp32
         # sum) and AdamW's temporaries; ZeRO-3's one reduce bucket is allocated at start-up and
@@ -462,6 +471,13 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
     host_states = states.cpu_node // gpus_per_node if (profile.offload_optimizer or profile.offload_param) else 0
     return Peak(states.gpu + grad_extra, act, logits, inputs, gradients, buckets, gathered, step,
                 host_states + host_extra, host_step, RESERVE if device == "cuda" else 0)
+
+
+def quantisation_buffers(zero: dict, largest_layer: int) -> int:
+    """ZeRO++'s transient buffers: qwZ's int8 gather of a prefetch bucket (+ an fp32 scale per 8000),
+    qgZ's int4 copies of the largest gradient (swizzled, exchanged, node-reduced: ~1.5 B/element)."""
+    qwz = zero.get("zero_quantized_weights") and int(zero.get("stage3_prefetch_bucket_size", 5e7)) * (1 + 4 / 8000)
+    return int(qwz or 0) + (int(1.5 * largest_layer) if zero.get("zero_quantized_gradients") else 0)
 
 
 def _accumulates_in_fp32(profile, grad_accum: str, master: str = "fp32") -> bool:

@@ -2,6 +2,7 @@
 
     rsclip-ds plan --model git-rsclip-large --gpus 4 --gpu-mem 24GiB --global-batch 4096
     rsclip-ds plan --params 5e9 --gpus 4 --gpu-mem 24GiB --global-batch 1024 --json
+    rsclip-ds plan --nodes 4 --gpus-per-node 8 --inter-node-gbps 100 --gpu-mem 141GB --global-batch 32768
 
 The numbers come from `rsclip_ds.memory` (the peak's terms) and `rsclip_ds.planner` (fit and
 speed); formulas and assumptions are in their docstrings.
@@ -36,14 +37,21 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default="git-rsclip-large", choices=sorted(PRESETS), help="model preset")
     p.add_argument("--params", type=float, help="instead of --model: a hypothetical size, e.g. 5e9 "
                    "(git-rsclip-large's towers scaled in width and depth)")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs per node")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", "--gpus", dest="gpus", type=int, required=True, help="GPUs per node")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (the hybrid profiles zero3_hpz, zero3_zeropp, "
+                   "zero3_mics are recommended only when > 1)")
     p.add_argument("--intra-bw", type=float, default=360.0, metavar="GB/s",
                    help="a GPU's collective bandwidth inside a node (default 360: NVLink 4, H100/H200 SXM; "
                         "A100 NVLink 3: 230; PCIe 4 without NVLink: 20)")
     p.add_argument("--inter-bw", type=float, default=45.0, metavar="GB/s",
                    help="a GPU's share of its node's network (default 45: one 400 Gb/s InfiniBand NDR NIC per "
                         "GPU; HDR 200 Gb/s: 22.5; one 100 GbE NIC per node of 8 GPUs: 1.4)")
+    p.add_argument("--inter-node-gbps", type=float, metavar="Gb/s",
+                   help="instead of --inter-bw: a node's network line rate in Gb/s, all its NICs together, shared "
+                        "by its GPUs, at 90%% achieved: 100 (one 100 GbE NIC), 400, or 3200 (8 x 400 Gb/s NDR, one "
+                        "NIC per GPU)")
+    p.add_argument("--overlap", type=float, default=0.0, metavar="0..1",
+                   help="share of min(compute, communication) hidden behind compute (default 0: none)")
     p.add_argument("--gpu-mem", required=True, help="memory per GPU: 24GiB, 80GB, 24 (= GiB)")
     p.add_argument("--cpu-mem", help="memory per node (same units); not checked when omitted")
     p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
@@ -97,20 +105,25 @@ def _print_table(rows, best, args, spec) -> None:
                         f"of {args.gpu_mem}, global batch {args.global_batch}, {args.precision}"
                         f"{', bf16 masters' if args.master_weights == 'bf16' else ''}")
     for col in ("profile", "act. ckpt", "fits", "GiB/GPU", "allocated", "peak in", "CPU GiB/node", "max micro",
-                "micro x accum", "rel. speed"):
+                "micro x accum", "step s", "compute s", "comm intra s", "comm inter s", "rel. speed"):
         table.add_column(col, justify="left" if col in ("profile", "peak in") else "right", no_wrap=col == "profile")
     for r in rows:
-        mark = " *" if r is best else ""
+        mark = " *" if r is best else ("" if r.candidate else " (-)")
         table.add_row(r.profile + mark, "on" if r.checkpointing else "off", "yes" if r.fits else "no",
                       f"{r.gpu_gib:.1f}", f"{r.allocated_gib:.1f}", r.phase, f"{r.cpu_gib_node:.1f}", str(r.max_micro),
-                      f"{r.micro} x {r.accumulation}" if r.fits else "-",
+                      f"{r.micro} x {r.accumulation}" if r.fits else "-", f"{r.step_s:.3g}", f"{r.compute_s:.3g}",
+                      f"{r.comm_intra_s:.3g}", f"{r.comm_inter_s:.3g}",
                       f"{r.relative_speed:.2f}" if r.fits else "-")
     console = Console()
-    if console.width < 130:   # pipes and CI logs default to 80 columns: keep the table readable
-        console = Console(width=130)
+    if console.width < 170:   # pipes and CI logs default to 80 columns: keep the table readable
+        console = Console(width=170)
     console.print(table)
     console.print("GiB/GPU: the predicted peak that must fit (allocated + allocator headroom + 1 GiB for the "
                   "CUDA context and NCCL); allocated: what torch.cuda.max_memory_allocated would show.")
+    console.print("step s = compute + communication (per collective the slower of intra-node and inter-node time) "
+                  f"- {args.overlap:g} x the overlap; comm intra/inter s: each link's time per step.")
+    for profile, note in sorted({(r.profile, r.note) for r in rows if r.note}):
+        console.print(f"{profile}{'' if any(r.candidate for r in rows if r.profile == profile) else ' (-)'}: {note}")
     console.print("* recommended: the fastest that fits." if best else
                   "Nothing fits: add GPUs or nodes, or use a smaller model.")
 
@@ -130,8 +143,10 @@ def run(args) -> int:
 
 def _run(args):
     """Makes the plan; prints the table (returns 0), or returns the JSON document (--json)."""
+    from rsclip_ds import comms
     from rsclip_ds.memory import preset_spec, scaled_spec
     from rsclip_ds.planner import Budget, Hardware, plan, recommend
+    from rsclip_ds.profiles import available_profiles
 
     finetune = _finetune(args)
     if args.params and args.set:
@@ -142,21 +157,27 @@ def _run(args):
     budget = Budget(args.gpus, args.nodes, parse_bytes(args.gpu_mem),
                     parse_bytes(args.cpu_mem) if args.cpu_mem else None)
     try:
-        if args.intra_bw <= 0 or args.inter_bw <= 0:
-            raise ValueError("--intra-bw and --inter-bw are bandwidths in GB/s: give positive numbers")
-        hw = Hardware(intra_bw=args.intra_bw * 1e9, inter_bw=args.inter_bw * 1e9)
+        if args.intra_bw <= 0 or args.inter_bw <= 0 or (args.inter_node_gbps or 1) <= 0:
+            raise ValueError("--intra-bw, --inter-bw and --inter-node-gbps are bandwidths: give positive numbers")
+        if not 0 <= args.overlap <= 1:
+            raise ValueError(f"--overlap {args.overlap}: a share between 0 and 1")
+        inter = comms.network_bw(args.inter_node_gbps) / args.gpus if args.inter_node_gbps else args.inter_bw * 1e9
+        hw = Hardware(intra_bw=args.intra_bw * 1e9, inter_bw=inter, overlap=args.overlap)
         rows = plan(spec, budget, args.global_batch, args.precision, loss=args.loss,
                     negatives=args.negatives, accumulation=args.accumulation, hw=hw, master=args.master_weights)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     best = recommend(rows)
     command = launch_command(best, args, args.gpus, args.nodes) if best and not args.params else None
+    if command and best.profile not in available_profiles():   # a hybrid modelled from planner.HYBRID
+        command += (f"   # ds_profiles/{best.profile}.json is not in this checkout: --write-config writes "
+                    f"the DeepSpeed config with its zero_optimization block")
     doc = None
     if args.json:
         doc = {"model": spec.name, "params": spec.params, "trainable": spec.trainable,
                "finetune": finetune.model_dump(), "master_weights": args.master_weights, "gpus": budget.gpus,
                "gpu_bytes": budget.gpu_bytes, "global_batch": args.global_batch, "nodes": args.nodes,
-               "intra_bw_gbs": args.intra_bw, "inter_bw_gbs": args.inter_bw,
+               "intra_bw_gbs": args.intra_bw, "inter_bw_gbs": hw.inter_bw / 1e9, "overlap": args.overlap,
                "rows": [r.to_dict() for r in rows],
                "recommended": best.to_dict() if best else None, "command": command}
     else:
@@ -175,10 +196,12 @@ def _run(args):
 def write_config(row, args, world_size: int, path: Path) -> dict:
     """The recommended row as the resolved DeepSpeed dict (run config defaults + the row's values)."""
     from rsclip_ds.config import load_config
+    from rsclip_ds.planner import HYBRID, hybrid_profile
     from rsclip_ds.profiles import build_ds_config, load_profile
 
-    cfg = load_config(None, _overrides(row, args))
-    ds = build_ds_config(cfg, load_profile(row.profile), world_size, on_gpu=True)   # we plan for GPUs
+    profile = hybrid_profile(row.profile, args.gpus) if row.profile in HYBRID else load_profile(row.profile)
+    cfg = load_config(None, [o for o in _overrides(row, args) if not o.startswith("profile=")])
+    ds = build_ds_config(cfg, profile, world_size, on_gpu=True)   # we plan for GPUs
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(ds, indent=2))
     return ds

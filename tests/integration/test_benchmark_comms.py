@@ -15,6 +15,13 @@ bf16 element, an all-gather's own shard S/2 on 2 ranks):
           under 'global' up to k-1 times more (ZeRO-3 re-records its trace)
 and the SigLIP ring loss's fp32 text features: 2 sends forward + 2 back of (k x micro, D) per
 step on 2 ranks, seen by the torch profiler.
+
+A second launch (~1 min: one engine build on 4 ranks) runs ZeRO-3 with hpZ over groups of 2
+(`zero_hpz_partition_size: 2`, two "nodes" of 2 ranks) at k = 2: the step's first forward gathers
+from the primary partition over the 4 ranks (this rank logs 2(Ψ - Ψ_p)/4), the second from hpZ's
+secondary partition inside the group (2(Ψ - Ψ_p)/2); the reduce-scatters stay over the world.
+qwZ and qgZ are not run: their int8/int4 kernels are DeepSpeed's CUDA QuantizerBuilder op; MiCS is
+not in DeepSpeed 0.19.8 (`mics_shard_size` is a DeepSpeedConfigError there).
 """
 
 from __future__ import annotations
@@ -109,3 +116,28 @@ def test_the_loss_sends_its_features_round_the_ring(report, profile, k):
     """4 fp32 blocks of (k x micro, D) per step on 2 ranks: forward and backward, both neighbours."""
     seen = _row(report, profile, k)["c10d"]["by_op"]["send"]["seen"]
     assert seen == 4 * k * MICRO * HIDDEN * 4
+
+
+W4, HPZ = 4, 2
+
+
+@pytest.fixture(scope="module")
+def hpz_report(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("bench_comms_hpz")
+    return run_benchmark("comms.py", "--profiles", f"zero3+hpz{HPZ}", "--accumulation", "2", "--modes", "plain",
+                         "--hidden", str(HIDDEN), "--micro", str(MICRO), "--steps", "1", out=tmp / "comms.json",
+                         ranks=W4, timeout=300)
+
+
+def test_hpz_gathers_the_second_forward_inside_its_group(hpz_report, counts):
+    psi, persistent = counts
+    (row,) = hpz_report["rows"]
+    assert (row["hpz"], row["accumulation"], hpz_report["environment"]["world_size"]) == (HPZ, 2, W4)
+    gathered = psi - persistent
+    ops = row["engine"]["by_op"]
+    assert ops["reduce_scatter"]["logged"] == pytest.approx(2 * 2 * psi, rel=1e-4)
+    # primary over 4 ranks, secondary over 2; plain ZeRO-3 would log 2 x 2(Ψ - Ψ_p)/4
+    expected_gathers = 2 * gathered / W4 + 2 * gathered / HPZ + 2 * persistent / W4
+    assert ops["all_gather"]["logged"] == pytest.approx(expected_gathers, rel=1e-3)
+    assert ops["all_gather"]["logged"] > 1.4 * (2 * 2 * gathered / W4 + 2 * persistent / W4)
+    assert row["engine"]["pass"] and row["c10d"]["pass"], (row["engine"]["ratio"], row["c10d"]["ratio"])

@@ -133,8 +133,10 @@ def test_comm_seconds_across_nodes_takes_the_slower_level():
     assert comm_seconds({"all_reduce": 8e9}, 2, 8, intra_bw=400e9, inter_bw=10e9) == pytest.approx(0.100)
     # one GPU per node, 4 nodes: an all-gather is a ring over the network, 3/4 * 4e9 / 10e9
     assert comm_seconds({"all_gather": 4e9}, 4, 1, intra_bw=400e9, inter_bw=10e9) == pytest.approx(0.3)
-    # sends between nodes run at the network rate
-    assert comm_seconds({"send": 1e9}, 2, 8, intra_bw=400e9, inter_bw=10e9) == pytest.approx(0.1)
+    # the ring loss sends to both neighbours: on a node's edge GPU half of it crosses the network
+    # (0.5e9 / 10e9), all of it with one GPU per node
+    assert comm_seconds({"send": 1e9}, 2, 8, intra_bw=400e9, inter_bw=10e9) == pytest.approx(0.05)
+    assert comm_seconds({"send": 1e9}, 2, 1, intra_bw=400e9, inter_bw=10e9) == pytest.approx(0.1)
 
 
 def test_comm_seconds_of_a_planned_step():
@@ -153,3 +155,93 @@ def test_comm_seconds_of_a_planned_step():
 def test_unknown_collective_is_an_error():
     with pytest.raises(ValueError, match="unknown collective"):
         comm_seconds({"allreduce": 1.0}, 1, 8)
+
+
+# --------------------------------------------------------------------------- hybrid ZeRO-3 and the link split
+# 4 nodes x 8 GPUs (G = 32), Ψ = 1000 of which Ψ_p = 100 persistent, all trainable, bf16, k = 3.
+N, n = 4, 8
+HPZ, QW, QG, MICS = ({"zero_hpz_partition_size": 8}, {"zero_quantized_weights": True},
+                     {"zero_quantized_gradients": True}, {"mics_shard_size": 8})
+
+
+def split(traffic, nodes=N, per_node=n):
+    t = comms.comm_time(traffic, nodes, per_node, intra_bw=1.0, inter_bw=1.0)   # seconds = bytes
+    return pytest.approx(t.intra_bytes), pytest.approx(t.inter_bytes)
+
+
+def z3(zero=None, k=K, mode="plain", world=N * n, per_node=n):
+    return step_traffic(PSI, None, stage=3, world=world, accumulation=k, persistent=100, zero=zero,
+                        accumulation_mode=mode, gpus_per_node=per_node)
+
+
+def test_zero1_and_zero2_split_hierarchically():
+    # ZeRO-2: all-reduce 2 x 1000 B per micro-batch (k = 3): inside 2 x 7/8 x 6000, across
+    # 2 x 3/4 x 6000 / 8; the all-gather of 2000 B once: 7/8 x 2000 inside, 3/4 x 2000 / 8 across
+    t = step_traffic(PSI, None, stage=2, world=32, accumulation=K, gpus_per_node=n)
+    assert split(t) == (2 * 7 / 8 * 6000 + 7 / 8 * 2000, 2 * 3 / 4 * 6000 / 8 + 3 / 4 * 2000 / 8)
+    t = step_traffic(PSI, None, stage=1, world=32, accumulation=K, gpus_per_node=n)
+    assert split(t) == (2 * 7 / 8 * 2000 + 7 / 8 * 2000, 2 * 3 / 4 * 2000 / 8 + 3 / 4 * 2000 / 8)
+
+
+def test_zero3_split():
+    # gathers: 900 elements x 2 B x 3 forwards = 5400 B, + 200 B persistent; reduce-scatter 2000 x 3
+    inside, across = 7 / 8, 3 / 4 / 8
+    assert split(z3()) == ((5400 + 200 + 6000) * inside, (5400 + 200 + 6000) * across)
+
+
+def test_hpz_crosses_nodes_once_per_step():
+    # the first forward's 1800 B from the primary partition over the world; forwards 2 and 3
+    # (3600 B) from the secondary inside the node (7/8 of it); gradients and persistent as ZeRO-3
+    inside, across = 7 / 8, 3 / 4 / 8
+    assert split(z3(HPZ)) == ((1800 + 3600 + 200 + 6000) * inside, (1800 + 200 + 6000) * across)
+    # at k = 1 with prefetching (no backward re-gather) hpZ saves nothing
+    assert split(z3(HPZ, k=1)) == split(z3(k=1))
+    # 'global' accumulation: 3k = 9 passes, one across; the persistent re-gathers (2 x 200 B) inside
+    g = z3(HPZ, mode="global")
+    assert split(g) == ((9 * 1800 + 400 + 200 + 6000) * inside, (1800 + 200 + 6000) * across)
+
+
+def test_qwz_sends_int8_weights_with_block_scales():
+    q = by_collective(z3(QW), 32, "size")
+    assert q["all_gather"] == pytest.approx(3 * 900 * (1 + 4 / 8000) + 200)   # persistent ones stay bf16
+
+
+def test_qgz_two_int4_all_to_alls_across_nodes_only():
+    t = z3(QG)
+    a2a = [x for x in t if x.op == "all_to_all"]
+    # 900 2-D elements x 3 micro-batches at 0.5 B + scales: inside 7/8 of it, across 3/4 of its eighth
+    q = 900 * 3 * comms.QGZ_BYTES
+    assert [(x.group, x.size) for x in a2a] == [("node", pytest.approx(q)), ("rail", pytest.approx(q / 8))]
+    grads = [x for x in t if x.op in ("all_to_all", "reduce_scatter")]
+    assert split(grads) == (7 / 8 * q + 7 / 8 * 2 * 100 * 3, 3 / 4 * q / 8 + 3 / 4 / 8 * 2 * 100 * 3)
+    # one node: DeepSpeed reduce-scatters as usual
+    assert by_collective(z3(QG, world=8), 8, "size") == by_collective(z3(world=8), 8, "size")
+
+
+def test_mics_keeps_everything_inside_but_the_replica_all_reduce():
+    # all gathers and the reduce-scatter inside the node; at the boundary 2 x 1000 / 8 B
+    # all-reduced across the 4 replicas: 2 x 3/4 x 250 B across
+    assert split(z3(MICS)) == (7 / 8 * (5400 + 200 + 6000), 2 * 3 / 4 * 250)
+    # logged: a gather's message is this rank's share of its group (1/8), not of the world
+    msg = by_collective(z3(MICS), 32, "message")
+    assert msg["all_gather"] == pytest.approx((5400 + 200) / 8)
+
+
+def test_hybrid_options_are_zero3_only_and_groups_inside_a_node():
+    with pytest.raises(ValueError, match="ZeRO-3"):
+        step_traffic(PSI, stage=2, world=32, zero=HPZ, gpus_per_node=n)
+    with pytest.raises(ValueError, match="divide"):
+        step_traffic(PSI, stage=3, world=32, zero={"zero_hpz_partition_size": 16}, gpus_per_node=n)
+
+
+def test_comm_time_splits_seconds_by_link():
+    # ZeRO-3 at k = 3 on 4 x 8: 11600 B through the world group; 100 B/s inside, 10 B/s across
+    t = comms.comm_time(z3(), N, n, intra_bw=100.0, inter_bw=10.0)
+    assert t.intra_s == pytest.approx(11600 * 7 / 8 / 100) and t.inter_s == pytest.approx(11600 * 3 / 32 / 10)
+    assert t.total_s == pytest.approx(max(t.intra_s, t.inter_s))   # pipelined levels: the slower
+    m = comms.comm_time(z3(MICS), N, n, intra_bw=100.0, inter_bw=10.0)
+    assert m.total_s == pytest.approx(m.intra_s + m.inter_s)       # separate collectives add
+
+
+def test_network_bandwidth_choices():
+    assert comms.network_bw(100) == pytest.approx(11.25e9) and comms.network_bw(400) == pytest.approx(45e9)
