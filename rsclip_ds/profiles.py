@@ -110,6 +110,12 @@ def available_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
 
 
+def runnable_profiles(on_gpu: bool) -> list[str]:
+    """available_profiles() less those this accelerator cannot run (the CUDA-only ZeRO++ switches on
+    CPU ranks): the default of benchmarks that sweep every profile."""
+    return [name for name in available_profiles() if on_gpu or not load_profile(name).cuda_only]
+
+
 # Profiles DeepSpeed 0.19.8 cannot run, by the names users look for (ds_profiles/README.md, "Not
 # shipped"): asking for one says why and what to use instead.
 NOT_SHIPPED = {

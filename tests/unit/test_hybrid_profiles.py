@@ -151,3 +151,10 @@ def test_profiles_command_lists_the_hybrid_profiles_with_what_they_need(capsys, 
     assert "hpZ" in lines["zero3_hpz"] and "CUDA" not in lines["zero3_hpz"]
     assert "hpZ" in lines["zero3_zeropp"] and "CUDA" in lines["zero3_zeropp"]
     assert "hpZ" not in lines["zero3"]
+
+
+def test_profile_sweeps_leave_out_only_what_the_accelerator_cannot_run():
+    from rsclip_ds.profiles import runnable_profiles
+
+    assert runnable_profiles(on_gpu=True) == available_profiles()
+    assert runnable_profiles(on_gpu=False) == [n for n in available_profiles() if n != "zero3_zeropp"]
