@@ -343,14 +343,22 @@ def bf16_master_flags(run: RunConfig, profile: Profile, torch_adam: bool) -> dic
     return {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 
 
-def resolve_per_node(profile: Profile, world_size: int, local_world_size: int) -> dict[str, Any]:
+def resolve_per_node(profile: Profile, world_size: int, local_world_size: int | None) -> dict[str, Any]:
     """The profile's zero_optimization with every PER_NODE value replaced by ``local_world_size``
-    (ranks per node). Raises ConfigError when the world is not whole nodes of that size: DeepSpeed
-    would fail an assert in _ensure_divisibility, or build partition groups that cross nodes."""
+    (ranks per node; None: unknown, which only a one-rank world can do without). Raises ConfigError
+    when the world is not whole nodes of that size: DeepSpeed would fail an assert in
+    _ensure_divisibility, or build partition groups that cross nodes."""
     zero = dict(profile.strategy.get("zero_optimization", {}))
     keys = sorted(k for k, v in zero.items() if v == PER_NODE)
     if not keys:
         return zero
+    if local_world_size is None and world_size == 1:
+        local_world_size = 1
+    if local_world_size is None:
+        # guessing 1 would switch hpZ off without a word, in a config written for a cluster
+        raise ConfigError(f"profile {profile.path.name} sets {keys} to the GPUs per node ({PER_NODE}), and no "
+                          f"launcher said how many ranks run per node (LOCAL_SIZE / LOCAL_WORLD_SIZE): launch "
+                          f"with deepspeed or torchrun, or pass local_world_size to build_ds_config")
     if local_world_size < 1 or world_size % local_world_size:
         raise ConfigError(f"profile {profile.path.name} sets {keys} to the GPUs per node ({PER_NODE}), but "
                           f"{world_size} ranks are not whole nodes of {local_world_size}: launch the same number "
@@ -363,11 +371,12 @@ def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu
                     local_world_size: int | None = None) -> dict[str, Any]:
     """Merge the profile's strategy with the run's values; conflicts name both sides.
     ``local_world_size``: ranks per node (the per-node partition of hpZ profiles); None: what the
-    launcher announced (distributed.local_world_size_from_env; 1 without a launcher)."""
+    launcher announced (distributed.launcher_local_world_size), so that the trainer and every
+    worker that builds from a profile resolve it the same way without passing it along."""
     if local_world_size is None:
-        from rsclip_ds.distributed import local_world_size_from_env
+        from rsclip_ds.distributed import launcher_local_world_size
 
-        local_world_size = local_world_size_from_env()
+        local_world_size = launcher_local_world_size()
     if profile.cuda_only and not on_gpu:
         # DeepSpeed would fail inside engine build or the first backward with "This op had not been
         # implemented on CPU backend"

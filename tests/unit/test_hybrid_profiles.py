@@ -67,6 +67,20 @@ def test_per_node_value_comes_from_the_launcher_when_not_given(monkeypatch):
         "zero_hpz_partition_size"] == 2
 
 
+def test_unknown_gpus_per_node_is_refused_unless_one_rank(monkeypatch):
+    """Outside a launcher (a plain process, `rsclip-ds plan` writing a config for a cluster) the
+    GPUs per node are unknown: guessing 1 would switch hpZ off in a config meant for 8-GPU nodes."""
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    run = load_config(None, [])
+    with pytest.raises(ConfigError, match="no launcher said how many ranks run per node"):
+        build_ds_config(run, load_profile("zero3_hpz"), 8, on_gpu=True)
+    one = build_ds_config(run, load_profile("zero3_hpz"), 1, on_gpu=True)   # `rsclip-ds train` alone
+    assert one["zero_optimization"]["zero_hpz_partition_size"] == 1
+    assert "zero_hpz_partition_size" not in build_ds_config(run, load_profile("zero3"), 8, on_gpu=True)[
+        "zero_optimization"]
+
+
 def test_profiles_without_per_node_values_are_unchanged():
     zero3 = load_profile("zero3")
     assert resolve_per_node(zero3, 6, 4) == zero3.strategy["zero_optimization"]   # no node arithmetic needed
