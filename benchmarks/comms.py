@@ -50,7 +50,7 @@ from rsclip_ds.config import load_config
 from rsclip_ds.engine import engine_dtype
 from rsclip_ds.hub import ModelSource
 from rsclip_ds.model import IMAGE_MEAN, IMAGE_STD, ModelBundle, new_dual_encoder
-from rsclip_ds.profiles import available_profiles, load_profile
+from rsclip_ds.profiles import load_profile, runnable_profiles
 from rsclip_ds.train import optimizer_step
 from rsclip_ds.trainer import Trainer
 
@@ -292,7 +292,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     with process_group(args.threads) as info, tempfile.TemporaryDirectory() as tmp:
         t0, rows = time.perf_counter(), []
-        for name in run_order(args.profiles or available_profiles()):
+        for name in run_order(args.profiles or runnable_profiles(info.on_gpu)):
             for k in args.accumulation:
                 for mode in (args.modes if k > 1 else ["plain"]):
                     row = run_case(name, k, mode, args, Path(tmp))

@@ -16,6 +16,15 @@ recorded with the reason and the others go on. CPU smoke tests (what the slow te
     DS_ACCELERATOR=cpu python benchmarks/gpu.py --model tiny --profiles zero2 --ac off --data tensor loader \
         --data-images 64 --data-px 64 --loader-workers 1 --out /tmp/gpu_tiny_loader.json
 
+The hybrid-sharding profiles (ds_profiles/README.md) as cases, `--profiles hybrid` (= zero3,
+zero3_hpz, zero3_zeropp): on one GPU hpZ has no node to shard within (its group is the one rank:
+zero3), but zero3_zeropp's qwZ runs its CUDA quantizer kernels (int8 all-gather), which no CPU
+test can reach; the report compares each with zero3 (samples/s, final loss on the same batches).
+Their point, inter-node traffic, needs several GPUs: benchmarks/multigpu_hybrid.sh.
+
+    python benchmarks/gpu.py --model git-rsclip-base --profiles hybrid --ac off \
+        --out benchmarks/results/gpu_h200_hybrid.json                     # 3 cases, ~3 min
+
 Against open_clip on one GPU (docs/benchmarks.md, "Against open_clip"; VENV from
 benchmarks/openclip_env.sh, built on the GPU host), ~5 minutes; and its CPU smoke test (~1 minute):
 
@@ -61,6 +70,16 @@ PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, 
 # micro-batch per GPU: activations ~75 MiB/sample (base) and ~243 MiB/sample (large) without
 # checkpointing (rsclip_ds.memory) -> ~19 / ~31 GB, beside 16 bytes/param of model states.
 MICRO = {"git-rsclip-base": 256, "git-rsclip-large": 128, "tiny": 8}
+# --profiles hybrid: zero3 first, the reference the others are compared with (pair_with_zero3)
+PROFILE_SETS = {"hybrid": ["zero3", "zero3_hpz", "zero3_zeropp"]}
+
+
+def expand_profiles(names: list[str]) -> list[str]:
+    """--profiles with set names (PROFILE_SETS) replaced by their profiles, each once, in order."""
+    out: list[str] = []
+    for name in names:
+        out += [p for p in PROFILE_SETS.get(name, [name]) if p not in out]
+    return out
 
 
 @dataclass(frozen=True)
@@ -244,6 +263,23 @@ def pair_with_tensor(rows: list[dict]) -> list[dict]:
     return pairs
 
 
+def pair_with_zero3(rows: list[dict]) -> list[dict]:
+    """Each ok row of a hybrid profile (zero3_hpz, zero3_zeropp) with its ok zero3 twin (same
+    preset, checkpointing, micro, data): samples/s ratio and final losses (the same batches and
+    seed: hpZ should equal zero3, qwZ/qgZ be close)."""
+    ref = {(r["preset"], r["checkpointing"], r["micro"], r.get("data", "tensor")): r for r in rows
+           if r.get("ok") and r["profile"] == "zero3"}
+    pairs = []
+    for r in rows:
+        twin = ref.get((r["preset"], r["checkpointing"], r["micro"], r.get("data", "tensor")))
+        if r.get("ok") and r["profile"] in PROFILE_SETS["hybrid"][1:] and twin:
+            pairs.append({"case": r["case"], "zero3_case": twin["case"],
+                          "speed_vs_zero3": r["samples_per_s"] / twin["samples_per_s"],
+                          "final_loss": r["final_loss"], "zero3_final_loss": twin["final_loss"],
+                          "rel_loss_diff": abs(r["final_loss"] - twin["final_loss"]) / abs(twin["final_loss"])})
+    return pairs
+
+
 # --------------------------------------------------------------------------- driver
 
 def run_in_process(case: Case, args, timeout: float) -> dict:
@@ -295,13 +331,22 @@ def print_table(report: dict) -> None:
                           f"{p['loader_over_tensor']:.3f}", f"{100 * p['data_wait_fraction']:.1f}%",
                           str(p["loader_workers"]), f"{rate:.0f}" if rate else "-")
         console.print(pairs)
+    if report.get("hybrid_vs_zero3"):
+        pairs = Table(title="hybrid sharding against zero3 (one GPU: no inter-node traffic to save)")
+        for col in ("case", "vs zero3 samples/s", "final loss", "zero3 final loss", "rel. diff"):
+            pairs.add_column(col, justify="right")
+        for p in report["hybrid_vs_zero3"]:
+            pairs.add_row(p["case"], f"{p['speed_vs_zero3']:.3f}", f"{p['final_loss']:.4f}",
+                          f"{p['zero3_final_loss']:.4f}", f"{p['rel_loss_diff']:.1e}")
+        console.print(pairs)
 
 
 def parse_args(argv):
     parser = base_parser(__doc__)
     parser.add_argument("--model", nargs="*", default=["git-rsclip-base", "git-rsclip-large"],
                         help="presets (tiny: the CPU smoke test)")
-    parser.add_argument("--profiles", nargs="*", default=["zero2", "zero3"])
+    parser.add_argument("--profiles", nargs="*", default=["zero2", "zero3"],
+                        help=f"profiles, or sets of them: {PROFILE_SETS}")
     parser.add_argument("--ac", nargs="*", default=["off", "on"], choices=["off", "on"],
                         help="activation checkpointing settings to run")
     parser.add_argument("--micro", type=int, default=None, help="micro-batch (default per preset: MICRO)")
@@ -357,6 +402,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.open_clip:
         return openclip_comparison(args)
+    args.profiles = expand_profiles(args.profiles)
     todo = cases(args.model, args.profiles, [a == "on" for a in args.ac], args.micro, args.data)
     if args.worker:
         row = run_case(todo[0], args)
@@ -397,7 +443,8 @@ def run_cases(todo: list[Case], args) -> dict:
                        "data": args.data, "loader_workers": args.loader_workers, "data_images": args.data_images,
                        "data_px": args.data_px},
             "environment": environment(args.threads, device=device), "cases": rows,
-            "loader_vs_tensor": pair_with_tensor(rows), "seconds": time.perf_counter() - t0}
+            "loader_vs_tensor": pair_with_tensor(rows), "hybrid_vs_zero3": pair_with_zero3(rows),
+            "seconds": time.perf_counter() - t0}
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from harness import base_parser, environment, finish, process_group, rank0_print
 from rsclip_ds.config import load_config
 from rsclip_ds.losses import LOSSES, build_loss
 from rsclip_ds.model import new_dual_encoder, preset_config
-from rsclip_ds.profiles import available_profiles, build_ds_config, load_profile
+from rsclip_ds.profiles import build_ds_config, load_profile, runnable_profiles
 from rsclip_ds.train import train_step_global
 
 SEED = 0
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
         config = preset_config("tiny")
         ref = reference_grads(config, *batch(args.micro * args.k * info.world_size, config))
         towers_ref = [r for (n, _), r in zip(trainable_names(config), ref) if n.startswith(("vision_", "text_"))]
-        for profile in args.profiles or available_profiles():
+        for profile in args.profiles or runnable_profiles(on_gpu=False):   # its configs are CPU ones
             grads = {}
             for case in CASES:
                 row, grads[case[0]] = run_case(profile, case, args, ref, Path(tmp))

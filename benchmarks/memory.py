@@ -103,7 +103,7 @@ from rsclip_ds.config import load_config
 from rsclip_ds.distributed import local_world_size_from_env
 from rsclip_ds.engine import engine_dtype
 from rsclip_ds.model import preset_bundle
-from rsclip_ds.profiles import available_profiles
+from rsclip_ds.profiles import available_profiles, runnable_profiles
 from rsclip_ds.train import train_step
 from rsclip_ds.trainer import Trainer
 
@@ -480,7 +480,7 @@ def main(argv=None) -> int:
     with process_group(args.threads) as info:
         t0 = time.perf_counter()
         rows = []
-        for name in args.profiles or available_profiles():
+        for name in args.profiles or runnable_profiles(info.on_gpu):
             row = run_profile(name, args, info.on_gpu)
             reduce_over_ranks(row)
             rows.append(row)
@@ -510,7 +510,7 @@ def main_peaks(args) -> int:
     with process_group(args.threads) as info:
         t0 = time.perf_counter()
         rows = []
-        for name in args.profiles or available_profiles():
+        for name in args.profiles or runnable_profiles(info.on_gpu):
             rows.append({"profile": name, "peaks": [run_peak(name, args, info.on_gpu, k) for k in args.accumulation]})
             rank0_print(info.rank)(f"{name}:" + "".join(f" peak k={p['accumulation']} {p['ratio']:.3f}"
                                                         for p in rows[-1]["peaks"]))

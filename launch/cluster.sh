@@ -8,8 +8,8 @@
 #       [--env-file launch/deepspeed_env] [--resume auto|latest|TAG] [--dry-run] \
 #       [--set key=value ...] [-- extra deepspeed launcher args]
 #
-# --profile is `--set profile=...` (ds_profiles/: zero1, zero2, zero2_offload, zero3,
-# zero3_offload; `rsclip-ds plan` picks one for your GPUs). --env-file: NAME=value lines
+# --profile is `--set profile=...` (ds_profiles/: zero1, zero2, zero2_offload, zero3, zero3_hpz,
+# zero3_zeropp, zero3_offload; `rsclip-ds plan` picks one for your GPUs). --env-file: NAME=value lines
 # (comments allowed, see launch/deepspeed_env.example) exported on every node: handed to the
 # launcher through DS_ENV_FILE (it applies them on the nodes it reaches by ssh/pdsh) and
 # exported here too (with --no-ssh the launcher does not read the file).

@@ -28,7 +28,14 @@ class DistInfo:
 def local_world_size_from_env() -> int:
     """Ranks on this node as the launcher announced them: LOCAL_SIZE (deepspeed), LOCAL_WORLD_SIZE
     (torchrun); 1 without either."""
-    return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or "1")
+    return launcher_local_world_size() or 1
+
+
+def launcher_local_world_size() -> int | None:
+    """LOCAL_SIZE (deepspeed) or LOCAL_WORLD_SIZE (torchrun); None where no launcher set either
+    (a plain process, or `rsclip-ds plan` on a login node: the GPUs per node are not known)."""
+    value = os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value else None
 
 
 def world_size_from_env() -> int:

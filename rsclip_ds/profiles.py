@@ -5,6 +5,9 @@ run config holds the *per-run values* (batch sizes, precision, optimizer, schedu
 A profile may repeat a per-run value only if it agrees; otherwise it is an error naming both.
 DeepSpeed ignores unknown top-level keys silently, so profiles are checked against our own
 list here, and the `zero_optimization` block against DeepSpeed's own pydantic model.
+
+A value a file cannot know, the GPUs per node of the launch (hpZ's secondary partition), is
+written as the word "local_world_size" and resolved by build_ds_config.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ _CANDIDATES = (Path(__file__).resolve().parent.parent / "ds_profiles",
                Path(sys.prefix) / "share" / "rsclip_ds" / "ds_profiles")
 PROFILE_DIR = next((d for d in _CANDIDATES if d.is_dir()), _CANDIDATES[0])
 
-# Strategy keys a profile may set (handed to DeepSpeed as they are).
+# Strategy keys a profile may set (handed to DeepSpeed as they are). Not `sparse_gradients`:
+# DeepSpeed 0.19.8 removed it and refuses a config that has it.
 STRATEGY_KEYS = {
     "zero_optimization", "communication_data_type", "steps_per_print", "wall_clock_breakdown",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "prescale_gradients",
-    "gradient_predivide_factor", "sparse_gradients", "flops_profiler", "comms_logger",
+    "gradient_predivide_factor", "flops_profiler", "comms_logger",
     "tensorboard", "csv_monitor", "memory_breakdown", "dump_state",
 }
 # Per-run keys: derived from the run config; a profile may only repeat the same value.
@@ -45,6 +49,21 @@ RUN_KEYS = {
 }
 # Our own block, removed before DeepSpeed sees the dict.
 RSCLIP_KEYS = {"description", "gpu_budget", "activation_checkpointing"}
+# zero_optimization keys that may be given as PER_NODE: the ranks (GPUs) per node of the launch,
+# which build_ds_config puts in. hpZ's secondary partition group is a block of that many
+# consecutive ranks (deepspeed.utils.groups._create_zero_param_parallel_group): one node, since
+# the launcher numbers a node's ranks consecutively.
+PER_NODE = "local_world_size"
+PER_NODE_KEYS = {"zero_hpz_partition_size"}
+# ZeRO++ switches whose kernels DeepSpeed 0.19.8 has only for CUDA (QuantizerBuilder; the CPU
+# accelerator's is a NotImplementedBuilder: "This op had not been implemented on CPU backend").
+CUDA_ONLY_ZERO_KEYS = {
+    "zero_quantized_weights": "qwZ (int8 all-gather of weights)",
+    "zero_quantized_nontrainable_weights": "int8 storage of frozen weights",
+    "zero_quantized_gradients": "qgZ (int4 all-to-all reduction of gradients)",
+}
+# zero_optimization keys that exist only at ZeRO-3 (DeepSpeed ignores them below it, silently).
+STAGE3_ONLY_ZERO_KEYS = {"zero_hpz_partition_size", *CUDA_ONLY_ZERO_KEYS}
 
 
 @dataclass(frozen=True)
@@ -68,6 +87,19 @@ class Profile:
     def offload_param(self) -> bool:
         return _offload_device(self.strategy, "offload_param") not in (None, "none")
 
+    @property
+    def hpz(self) -> bool:
+        """ZeRO++ hpZ: a secondary copy of the parameters sharded within each node (the per-node
+        value, or a fixed partition size above 1)."""
+        size = self.strategy.get("zero_optimization", {}).get("zero_hpz_partition_size", 1)
+        return _switched_on(size)
+
+    @property
+    def cuda_only(self) -> list[str]:
+        """The switches of this profile that need DeepSpeed's CUDA kernels (empty: runs on CPU ranks)."""
+        zero = self.strategy.get("zero_optimization", {})
+        return [f"{k}: {what}" for k, what in CUDA_ONLY_ZERO_KEYS.items() if zero.get(k)]
+
 
 def _offload_device(strategy: dict, key: str) -> str | None:
     block = strategy.get("zero_optimization", {}).get(key) or {}
@@ -78,6 +110,25 @@ def available_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
 
 
+def runnable_profiles(on_gpu: bool) -> list[str]:
+    """available_profiles() less those this accelerator cannot run (the CUDA-only ZeRO++ switches on
+    CPU ranks): the default of benchmarks that sweep every profile."""
+    return [name for name in available_profiles() if on_gpu or not load_profile(name).cuda_only]
+
+
+# Profiles DeepSpeed 0.19.8 cannot run, by the names users look for (ds_profiles/README.md, "Not
+# shipped"): asking for one says why and what to use instead.
+NOT_SHIPPED = {
+    "zero3_mics": "MiCS (mics_shard_size, mics_hierarchical_params_gather) was removed from DeepSpeed "
+                  "(0.19.8 refuses the keys; https://github.com/deepspeedai/DeepSpeed/issues/8489). zero3_hpz "
+                  "keeps a per-node copy of the parameters too (ZeRO++ hpZ), with optimizer states sharded "
+                  "over all GPUs",
+    "zero1_onebit_adam": "1-bit Adam, 0/1 Adam and 1-bit LAMB are not in DeepSpeed 0.19.8 (no OneBitAdam, "
+                         "ZeroOneAdam or OneBitLamb optimizer, no compressed backend); zero3_zeropp compresses "
+                         "the gradient reduction instead (qgZ, CUDA)",
+}
+
+
 def resolve_profile_path(name: str) -> Path:
     path = Path(name)
     if path.suffix == ".json" or path.exists():
@@ -85,6 +136,8 @@ def resolve_profile_path(name: str) -> Path:
             raise ConfigError(f"profile file not found: {path}")
         return path
     path = PROFILE_DIR / f"{name}.json"
+    if not path.is_file() and name in NOT_SHIPPED:
+        raise ConfigError(f"profile {name!r} is not shipped: {NOT_SHIPPED[name]}")
     if not path.is_file():
         raise ConfigError(f"unknown profile {name!r}; available: {', '.join(available_profiles())} "
                           f"(or give a path to a profile JSON)")
@@ -101,6 +154,9 @@ def load_profile(name: str) -> Profile:
     if not isinstance(raw, dict):
         raise ConfigError(f"profile {path}: the top level must be an object")
     own = raw.pop("rsclip", {})
+    removed = {k: m for k, m in _removed_keys()[0].items() if k in raw}
+    if removed:
+        raise ConfigError(f"profile {path}: key(s) DeepSpeed removed: " + " ".join(removed.values()))
     unknown = set(raw) - STRATEGY_KEYS - set(RUN_KEYS)
     if unknown:
         raise ConfigError(f"profile {path}: unknown key(s) {sorted(unknown)}; a profile may set "
@@ -119,12 +175,39 @@ def load_profile(name: str) -> Profile:
     )
 
 
+def _removed_keys() -> tuple[dict[str, str], dict[str, str]]:
+    """DeepSpeed's own lists of config keys it removed, with its messages (top level, zero block);
+    empty where this DeepSpeed has none."""
+    from deepspeed.runtime import config as ds_config
+
+    return (getattr(ds_config, "_REMOVED_TOP_LEVEL_CONFIG_KEYS", {}),
+            getattr(ds_config, "_REMOVED_ZERO_CONFIG_KEYS", {}))
+
+
+def _switched_on(value: Any) -> bool:
+    """A ZeRO++ key's value that turns its feature on: true, the per-node word, a partition size > 1."""
+    return value is True or value == PER_NODE or (type(value) is int and value > 1)
+
+
 def _check_zero_block(path: Path, block: dict) -> None:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from pydantic import ValidationError
 
+    removed = {k: m for k, m in _removed_keys()[1].items() if k in block}
+    if removed:   # e.g. MiCS: DeepSpeed's message says where it went, pydantic's only 'extra'
+        raise ConfigError(f"profile {path}: zero_optimization has key(s) DeepSpeed removed: "
+                          + " ".join(removed.values()))
+    per_node = {k for k, v in block.items() if v == PER_NODE}
+    if per_node - PER_NODE_KEYS:
+        raise ConfigError(f"profile {path}: {sorted(per_node - PER_NODE_KEYS)} cannot be {PER_NODE!r}; "
+                          f"only {sorted(PER_NODE_KEYS)} can")
+    stage3_only = {k for k in STAGE3_ONLY_ZERO_KEYS if _switched_on(block.get(k))}
+    if stage3_only and block.get("stage") != 3:
+        raise ConfigError(f"profile {path}: {sorted(stage3_only)} work only at ZeRO-3 (DeepSpeed ignores "
+                          f"them at stage {block.get('stage', 0)}): set \"stage\": 3 or remove them")
     try:
-        DeepSpeedZeroConfig(**block)
+        # any partition size stands in for the per-node word (resolved at launch, checked there)
+        DeepSpeedZeroConfig(**{k: 2 if k in per_node else v for k, v in block.items()})
     except ValidationError as err:
         msgs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
         raise ConfigError(f"profile {path}: zero_optimization is invalid: {msgs}") from None
@@ -260,8 +343,46 @@ def bf16_master_flags(run: RunConfig, profile: Profile, torch_adam: bool) -> dic
     return {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 
 
-def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu: bool) -> dict[str, Any]:
-    """Merge the profile's strategy with the run's values; conflicts name both sides."""
+def resolve_per_node(profile: Profile, world_size: int, local_world_size: int | None) -> dict[str, Any]:
+    """The profile's zero_optimization with every PER_NODE value replaced by ``local_world_size``
+    (ranks per node; None: unknown, which only a one-rank world can do without). Raises ConfigError
+    when the world is not whole nodes of that size: DeepSpeed would fail an assert in
+    _ensure_divisibility, or build partition groups that cross nodes."""
+    zero = dict(profile.strategy.get("zero_optimization", {}))
+    keys = sorted(k for k, v in zero.items() if v == PER_NODE)
+    if not keys:
+        return zero
+    if local_world_size is None and world_size == 1:
+        local_world_size = 1
+    if local_world_size is None:
+        # guessing 1 would switch hpZ off without a word, in a config written for a cluster
+        raise ConfigError(f"profile {profile.path.name} sets {keys} to the GPUs per node ({PER_NODE}), and no "
+                          f"launcher said how many ranks run per node (LOCAL_SIZE / LOCAL_WORLD_SIZE): launch "
+                          f"with deepspeed or torchrun, or pass local_world_size to build_ds_config")
+    if local_world_size < 1 or world_size % local_world_size:
+        raise ConfigError(f"profile {profile.path.name} sets {keys} to the GPUs per node ({PER_NODE}), but "
+                          f"{world_size} ranks are not whole nodes of {local_world_size}: launch the same number "
+                          f"of GPUs on every node (hostfile slots, --num_gpus), or use a profile without "
+                          f"per-node partitions (zero3)")
+    return {**zero, **{k: local_world_size for k in keys}}
+
+
+def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu: bool,
+                    local_world_size: int | None = None) -> dict[str, Any]:
+    """Merge the profile's strategy with the run's values; conflicts name both sides.
+    ``local_world_size``: ranks per node (the per-node partition of hpZ profiles); None: what the
+    launcher announced (distributed.launcher_local_world_size), so that the trainer and every
+    worker that builds from a profile resolve it the same way without passing it along."""
+    if local_world_size is None:
+        from rsclip_ds.distributed import launcher_local_world_size
+
+        local_world_size = launcher_local_world_size()
+    if profile.cuda_only and not on_gpu:
+        # DeepSpeed would fail inside engine build or the first backward with "This op had not been
+        # implemented on CPU backend"
+        raise ConfigError(f"profile {profile.path.name} needs DeepSpeed's CUDA quantizer kernels for "
+                          f"{', '.join(profile.cuda_only)}; these ranks run on the CPU accelerator: use "
+                          f"zero3_hpz or zero3 here, {profile.name} on GPUs")
     sizes = derive_batch(run, world_size)
     values = _run_values(run, sizes, on_gpu, profile.offload_optimizer)
     values["data_types"] = {"grad_accum_dtype": grad_accum_dtype(run, profile)}
@@ -273,6 +394,8 @@ def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu
                 f"{json.dumps(values.get(key))} (from {RUN_KEYS[key]}); per-run values come from the run "
                 f"config: remove {key!r} from the profile, or change {RUN_KEYS[key]}")
     config = {"steps_per_print": 10**9, "wall_clock_breakdown": False, **profile.strategy, **values}
+    if "zero_optimization" in config:
+        config["zero_optimization"] = resolve_per_node(profile, world_size, local_world_size)
     if profile.offload_optimizer and values["optimizer"]["params"]["torch_adam"]:
         # torch.optim.AdamW on offloaded states: allowed, slower than DeepSpeedCPUAdam on GPUs.
         config["zero_force_ds_cpu_optimizer"] = False

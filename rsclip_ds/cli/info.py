@@ -38,12 +38,13 @@ def profiles(args) -> int:
     from rsclip_ds.profiles import available_profiles, load_profile
 
     table = Table(title="ds_profiles")
-    for col in ("profile", "stage", "offload", "act. ckpt", "what it is for"):
-        table.add_column(col)
+    for col in ("profile", "stage", "offload", "act. ckpt", "per node", "needs"):
+        table.add_column(col, no_wrap=True)   # the names whole on a narrow terminal; the text wraps
+    table.add_column("what it is for")
     for name in available_profiles():
         p = load_profile(name)
         offload = "+".join(k for k, on in (("opt", p.offload_optimizer), ("param", p.offload_param)) if on)
         table.add_row(name, str(p.stage), offload or "-", "on" if p.activation_checkpointing else "off",
-                      p.description)
+                      "hpZ" if p.hpz else "-", "CUDA" if p.cuda_only else "-", p.description)
     Console().print(table)
     return 0

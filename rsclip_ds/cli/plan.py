@@ -201,7 +201,7 @@ def write_config(row, args, world_size: int, path: Path) -> dict:
 
     profile = hybrid_profile(row.profile, args.gpus) if row.profile in HYBRID else load_profile(row.profile)
     cfg = load_config(None, [o for o in _overrides(row, args) if not o.startswith("profile=")])
-    ds = build_ds_config(cfg, profile, world_size, on_gpu=True)   # we plan for GPUs
+    ds = build_ds_config(cfg, profile, world_size, on_gpu=True, local_world_size=args.gpus)   # we plan for GPUs
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(ds, indent=2))
     return ds

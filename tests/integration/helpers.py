@@ -79,6 +79,33 @@ def launch_summary(data: dict, out: Path, overrides: list[str], nproc: int = 2) 
     return summary(out)
 
 
+def launch_nodes(hostfile: Path, slots: list[int], args: list[str], timeout: int = 600) -> list[str]:
+    """A cluster launch on this machine: a hostfile with one line per "node" (node-0 slots=...),
+    then one `deepspeed --no_ssh --node_rank R` launcher per node, as SLURM starts them; `args`
+    follow the launcher's options (a script or --module ...). Fails the test unless every node
+    exits 0; returns each node's output."""
+    hostfile.write_text("".join(f"node-{i} slots={n}\n" for i, n in enumerate(slots)))
+    port = free_port()
+    procs = []
+    for node_rank in range(len(slots)):
+        cmd = deepspeed_cmd() + ["--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node_rank),
+                                 "--master_addr", "127.0.0.1", "--master_port", str(port)] + list(args)
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:   # a node that hangs (its peer died) must not outlive the test
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    codes = [p.returncode for p in procs]
+    if codes != [0] * len(procs):
+        pytest.fail(f"node exit codes {codes}\n" + "\n".join(f"--- node {i} ---\n{o[-3000:]}"
+                                                              for i, o in enumerate(outputs)))
+    return outputs
+
+
 def launch_run(data: dict, out: Path, *overrides: str, timeout: int = 300,
                extra: list[str] = ()) -> subprocess.CompletedProcess:
     """One `deepspeed --num_gpus 2` run of CHECKPOINT_RUN; returns the finished process (any exit code)."""

@@ -28,11 +28,12 @@ import torch
 from rsclip_ds import memory
 from rsclip_ds.config import FinetuneConfig
 from rsclip_ds.model import new_dual_encoder, preset_config
-from rsclip_ds.profiles import available_profiles, load_profile
+from rsclip_ds.profiles import load_profile, runnable_profiles
 from tests.integration.benchmark_helpers import run_benchmark
 
 pytestmark = pytest.mark.slow
 W, MICRO = 2, 4
+PROFILES = runnable_profiles(on_gpu=False)   # every profile CPU ranks can run (not the CUDA-only ZeRO++ one)
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +59,11 @@ def _row(report: dict, profile: str) -> dict:
 
 def test_ran_every_profile_on_two_ranks_with_the_counted_model(report, psi):
     assert report["environment"]["world_size"] == W
-    assert [r["profile"] for r in report["profiles"]] == available_profiles()
+    assert [r["profile"] for r in report["profiles"]] == PROFILES
     assert report["config"]["parameters"] == psi
 
 
-@pytest.mark.parametrize("profile", available_profiles())
+@pytest.mark.parametrize("profile", PROFILES)
 def test_bytes_per_role_follow_the_zero_layout(report, psi, profile):
     """Weights 4Ψ on every rank below stage 3, 4Ψ/W at stage 3 (on the CPU with parameter
     offload); optimizer states 12Ψ/W always (on the CPU with optimizer offload); gradients at
@@ -81,7 +82,7 @@ def test_bytes_per_role_follow_the_zero_layout(report, psi, profile):
     assert m[f"optimizer_{'gpu' if opt_place == 'cpu' else 'cpu'}"] == 0
 
 
-@pytest.mark.parametrize("profile", available_profiles())
+@pytest.mark.parametrize("profile", PROFILES)
 def test_model_states_match_the_memory_model(report, psi, profile):
     """The memory model evaluated here from Ψ against the measured totals, within 10%."""
     prof, row = load_profile(profile), _row(report, profile)
@@ -96,7 +97,7 @@ def test_model_states_match_the_memory_model(report, psi, profile):
         assert row["offload"]["measured"] == 0
 
 
-@pytest.mark.parametrize("profile", available_profiles())
+@pytest.mark.parametrize("profile", PROFILES)
 def test_activations_match_the_memory_model(report, profile):
     """Saved-for-backward bytes of one micro-batch against activation_bytes_per_sample x micro,
     with activation checkpointing as the profile turns it on (and the Trainer applied it)."""
@@ -131,10 +132,10 @@ def test_locked_run_reports_its_controls(lock_report, psi, psi_trained):
     assert lock_report["config"]["finetune"] == {"lock_image": True}
     assert lock_report["config"]["parameters"] == psi
     assert lock_report["config"]["trainable"] == psi_trained
-    assert [r["profile"] for r in lock_report["profiles"]] == available_profiles()
+    assert [r["profile"] for r in lock_report["profiles"]] == PROFILES
 
 
-@pytest.mark.parametrize("profile", available_profiles())
+@pytest.mark.parametrize("profile", PROFILES)
 def test_locked_tower_keeps_weights_but_no_gradients_or_optimizer_states(lock_report, psi, psi_trained, profile):
     """The ZeRO layout of the full launch with gradients and optimizer states at Ψ_t: weights 4Ψ
     (4Ψ/W at stage 3; ZeRO-1/2 hold the frozen ones whole, outside the flat buffer), optimizer
@@ -148,7 +149,7 @@ def test_locked_tower_keeps_weights_but_no_gradients_or_optimizer_states(lock_re
     assert 0.99 * 4 * psi_trained / W <= grads <= 1.01 * 4 * psi_trained, m
 
 
-@pytest.mark.parametrize("profile", available_profiles())
+@pytest.mark.parametrize("profile", PROFILES)
 def test_locking_saves_the_locked_share_of_gradients_and_optimizer_states(report, lock_report, psi, psi_trained,
                                                                           profile):
     """Against the full launch: optimizer bytes scale by Ψ_t/Ψ exactly (0.54 on tiny), gradients +
@@ -163,7 +164,7 @@ def test_locking_saves_the_locked_share_of_gradients_and_optimizer_states(report
     assert both == pytest.approx(share, rel=0.10)
 
 
-@pytest.mark.parametrize("profile", available_profiles())
+@pytest.mark.parametrize("profile", PROFILES)
 def test_locked_model_states_match_the_memory_model(lock_report, psi, psi_trained, profile):
     """model_state_bytes(Ψ, trainable=Ψ_t) against the measured totals, within 10%."""
     prof, row = load_profile(profile), _row(lock_report, profile)
@@ -177,12 +178,12 @@ def test_locked_model_states_match_the_memory_model(lock_report, psi, psi_traine
         assert row["offload"]["measured"] == 0
 
 
-@pytest.mark.parametrize("profile", available_profiles())
+@pytest.mark.parametrize("profile", PROFILES)
 def test_a_locked_tower_saves_fewer_activations(report, lock_report, profile):
     assert _row(lock_report, profile)["activations"]["measured"] < _row(report, profile)["activations"]["measured"]
 
 
-@pytest.mark.parametrize("profile", available_profiles())
+@pytest.mark.parametrize("profile", PROFILES)
 def test_locked_activations_match_the_memory_model(lock_report, profile):
     """activation_bytes_per_sample with the same controls x micro, within 15%."""
     prof, row = load_profile(profile), _row(lock_report, profile)

@@ -68,3 +68,19 @@ def test_loader_rows_pair_with_their_tensor_twin(gpu):
     [pair] = gpu.pair_with_tensor(rows)
     assert pair["loader_over_tensor"] == pytest.approx(0.75)
     assert (pair["case"], pair["data_wait_fraction"], pair["loader_samples_per_cpu_s"]) == ("t", 0.25, 900.0)
+
+
+def test_profile_sets_expand_in_order_once(gpu):
+    assert gpu.expand_profiles(["hybrid"]) == ["zero3", "zero3_hpz", "zero3_zeropp"]
+    assert gpu.expand_profiles(["zero2", "zero3", "hybrid"]) == ["zero2", "zero3", "zero3_hpz", "zero3_zeropp"]
+
+
+def test_hybrid_rows_pair_with_their_zero3_twin(gpu):
+    row = lambda profile, sps, loss, ok=True, micro=8: {
+        "case": f"tiny/{profile}", "preset": "tiny", "profile": profile, "checkpointing": False, "micro": micro,
+        "data": "tensor", "ok": ok, "samples_per_s": sps, "final_loss": loss}
+    rows = [row("zero3", 100.0, 2.0), row("zero3_hpz", 110.0, 2.0), row("zero3_zeropp", 0, 0, ok=False),
+            row("zero2", 150.0, 1.0), row("zero3_hpz", 50.0, 3.0, micro=4)]   # no zero3 twin at micro 4
+    [pair] = gpu.pair_with_zero3(rows)
+    assert pair["case"] == "tiny/zero3_hpz" and pair["zero3_case"] == "tiny/zero3"
+    assert pair["speed_vs_zero3"] == pytest.approx(1.1) and pair["rel_loss_diff"] == 0.0
