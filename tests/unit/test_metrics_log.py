@@ -72,7 +72,7 @@ def _loss(image, text, scale, bias):
     return ((image - 1.0) ** 2).sum()
 
 
-def _train(path, steps=8, *, resume=None, stop_after=None, guard=None, monitor=None):
+def _train(path, steps=8, *, resume=None, stop_after=None, guard=None, monitor=None, hooks=()):
     engine = FakeEngine()
     if resume is not None:
         engine.w.data.fill_(resume["w"])
@@ -80,7 +80,7 @@ def _train(path, steps=8, *, resume=None, stop_after=None, guard=None, monitor=N
     log = MetricsLog(path, monitor, resumed_at=resume["step"] if resume else None)
     try:
         result = train(engine, _batches(), _loss, BatchSizes(2, 1, 1), steps, 2,
-                       ProgressReporter(steps, "plain"), guard=guard, metrics=log,
+                       ProgressReporter(steps, "plain"), guard=guard, metrics=log, hooks=hooks,
                        resume=resume["state"] if resume else None, stop_after=stop_after)
     finally:
         log.close()
@@ -123,6 +123,17 @@ def test_the_data_delay_shows_as_data_wait_of_that_rank(tmp_path):
     assert load_summary(result.rank_load)["max_data_wait_rank"] == 0
     other = iter([1])   # another rank's batches pass through untouched
     assert Guard(inject_data_delay_s=delay, inject_data_delay_rank=1).delayed(other, 0, 2) is other
+
+
+def test_hook_results_are_eval_lines_on_the_same_step_axis(tmp_path):
+    def hook(step, engine):
+        return {"retrieval/mean_recall": step / 10, "classes": "8"} if step % 3 == 0 else None
+
+    _, result = _train(tmp_path / "m.jsonl", steps=6, hooks=[hook])
+    m = read_metrics(tmp_path / "m.jsonl")
+    assert [(r["step"], r["eval"]) for r in m["eval"]] == [(e["step"], {k: v for k, v in e.items() if k != "step"})
+                                                           for e in result.evals]
+    assert [r["step"] for r in m["eval"]] == [0, 3, 6] and m["eval"][1]["eval"]["retrieval/mean_recall"] == 0.3
 
 
 def test_sigkill_keeps_the_lines_written_so_far(tmp_path):
