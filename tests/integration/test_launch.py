@@ -192,7 +192,10 @@ def test_metrics_monitors_and_a_slow_loader_on_one_rank(launch_data, tmp_path):
     tb = [(e.step, e.value) for e in acc.Scalars("Train/loss")]
     assert [st for st, _ in tb] == [st for st, _ in want]
     assert [v for _, v in tb] == pytest.approx([v for _, v in want], rel=1e-6)
-    assert [e.step for e in acc.Scalars("Train/Samples/lr")] == [32 * k for k in range(1, 9)]
+    # DeepSpeed's own lr event: after step k's scheduler step, at k x 32 samples: the lr of step k + 1
+    ds_lr = acc.Scalars("Train/Samples/lr")
+    assert [e.step for e in ds_lr] == [32 * k for k in range(1, 9)]
+    assert [e.value for e in ds_lr[:-1]] == pytest.approx(s["lrs"][1:], rel=1e-6)
     rows = (out / "monitor" / "csv" / "Train_loss.csv").read_text().split()
     assert rows[0] == "step,loss" and [tuple(map(float, r.split(","))) for r in rows[1:]] == want
     # the slow rank
@@ -201,7 +204,8 @@ def test_metrics_monitors_and_a_slow_loader_on_one_rank(launch_data, tmp_path):
     assert all(w[1] > w[0] for w in waits[1:]), waits
     assert text.count("rank 1 waits for data") == 1, text[-4000:]
     load = s["load"]
-    assert load["max_data_wait_rank"] == 1 and load["data_wait"][1] > 0.4 > load["data_wait"][0], load
+    # run means include the first window's start-up (measured 1.4-3.3 s here), which both ranks wait through
+    assert load["max_data_wait_rank"] == 1 and load["data_wait"][1] > max(0.2, 5 * load["data_wait"][0]), load
     assert abs(load["step_s"][1] - load["step_s"][0]) < 0.15 * max(load["step_s"]), load
     assert {load["slowest_rank"], load["fastest_rank"]} == {0, 1}
     assert "data wait per rank" in text and "max rank 1" in text
