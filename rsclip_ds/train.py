@@ -305,8 +305,9 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
                                                     window.values(paused))
         result.losses += losses
         pending = []
-        _check_finite(result.losses, step, guard)
-        if step % log_every == 0 or step == last or stop:
+        # a run about to stop for non-finite losses logs that step first (metrics.jsonl keeps it)
+        failing = guard.check_nonfinite and _nonfinite_run(result.losses) >= guard.max_nonfinite_steps
+        if step % log_every == 0 or step == last or stop or failing:
             elapsed = time.perf_counter() - t_first - paused
             rate = sizes.global_batch * (step - start - 1) / elapsed if step > start + 1 else float("nan")
             reporter.update(step, {"loss": result.losses[-1], "lr": result.lrs[-1], "samples/s": rate,
@@ -314,6 +315,7 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
             _log_metrics(metrics, data_wait, engine, result, step, step - last_log, load, rate)
             window.reset(paused)
             last_log = step
+        _check_finite(result.losses, step, guard)
         finite = not guard.check_nonfinite or all(math.isfinite(v) for v in losses)
         if checkpointer is not None and (save_due or stop) and not finite:
             log.warning("step %d: not saving a checkpoint, a loss since the last sync is not finite", step)

@@ -72,14 +72,14 @@ def _loss(image, text, scale, bias):
     return ((image - 1.0) ** 2).sum()
 
 
-def _train(path, steps=8, *, resume=None, stop_after=None, guard=None, monitor=None, hooks=()):
+def _train(path, steps=8, *, resume=None, stop_after=None, guard=None, monitor=None, hooks=(), log_every=2):
     engine = FakeEngine()
     if resume is not None:
         engine.w.data.fill_(resume["w"])
         engine.global_steps = resume["step"]
     log = MetricsLog(path, monitor, resumed_at=resume["step"] if resume else None)
     try:
-        result = train(engine, _batches(), _loss, BatchSizes(2, 1, 1), steps, 2,
+        result = train(engine, _batches(), _loss, BatchSizes(2, 1, 1), steps, log_every,
                        ProgressReporter(steps, "plain"), guard=guard, metrics=log, hooks=hooks,
                        resume=resume["state"] if resume else None, stop_after=stop_after)
     finally:
@@ -272,3 +272,14 @@ def test_tensorboard_and_csv_hold_our_events_at_the_optimizer_step(tmp_path, one
     assert rows[0] == ["step", "loss"]
     assert [(int(s), float(v)) for s, v in rows[1:]] == want                       # CSV: repr, exact
     assert all(math.isfinite(float(v)) for _, v in rows[1:])
+
+
+def test_a_run_stopped_by_non_finite_losses_logs_the_failing_step_first(tmp_path):
+    from rsclip_ds.train import NonFiniteLoss
+
+    # a line every 4 steps, a stop-check sync every 2: step 6 is a sync point, not a log step
+    with pytest.raises(NonFiniteLoss, match=r"\(4..6; detected at step 6\)"):
+        _train(tmp_path / "m.jsonl", log_every=4,
+               guard=Guard(inject_nan_at_step=4, max_nonfinite_steps=3, stop_check_every=2))
+    lines = read_metrics(tmp_path / "m.jsonl")["train"]
+    assert [r["step"] for r in lines] == [4, 6] and math.isnan(lines[-1]["loss"])
