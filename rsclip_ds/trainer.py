@@ -221,7 +221,7 @@ class Trainer:
         metrics = MetricsLog(Path(run.output_dir) / "metrics.jsonl", p.engine.monitor, enabled=rank == 0,
                              resumed_at=p.resume["step"] if p.resume else None)
         try:
-            result = train(p.engine, iter(p.loader), p.loss_fn, p.batch, run.steps, lg.log_every,
+            result = train(p.engine, iter(p.loader), p.loss_fn, p.batch, run.steps, run.logging.log_every,
                            reporter, accumulation=run.batch.accumulation, hooks=p.hooks,
                            checkpointer=p.checkpointer, guard=p.guard, loader=p.loader,
                            resume=p.resume, stop_after=run.checkpoint.stop_after, metrics=metrics,
