@@ -284,7 +284,8 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
     if start == 0:   # a fresh run: hooks see the initial model too (evaluation from chance)
         _run_hooks(hooks, 0, engine, result, reporter, metrics)
     batches = TimedBatches(guard.delayed(batches, rank, world))   # counts the seconds blocked in next()
-    window, last_log = LoadWindow(batches, engine.device), start  # this rank's load since the last log line
+    window, window_from = LoadWindow(batches, engine.device), start   # this rank's load after step window_from
+    last_line = start
     t_loop = time.perf_counter()
     for step in range(start + 1, last + 1):
         guard.before_step(step, rank, world)
@@ -294,6 +295,9 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
         if step == start + 1:
             t_first = time.perf_counter()   # excludes lazy init / first-call overheads
             result.first_step_s = t_first - t_loop
+            if step % log_every and step != last:   # the load numbers leave it out too (start-up)
+                window.reset(paused)
+                window_from = step
         if hooks:
             t_hooks = time.perf_counter()
             _run_hooks(hooks, step, engine, result, reporter, metrics)
@@ -312,9 +316,9 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
             rate = sizes.global_batch * (step - start - 1) / elapsed if step > start + 1 else float("nan")
             reporter.update(step, {"loss": result.losses[-1], "lr": result.lrs[-1], "samples/s": rate,
                                    "loss_scale": loss_scale(engine), **_counts(engine, result)})
-            _log_metrics(metrics, data_wait, engine, result, step, step - last_log, load, rate)
+            _log_metrics(metrics, data_wait, engine, result, step, last_line, (load, step - window_from), rate)
             window.reset(paused)
-            last_log = step
+            window_from = last_line = step
         _check_finite(result.losses, step, guard)
         finite = not guard.check_nonfinite or all(math.isfinite(v) for v in losses)
         if checkpointer is not None and (save_due or stop) and not finite:
@@ -352,16 +356,21 @@ def _run_hooks(hooks, step: int, engine, result: TrainResult, reporter: Progress
 
 
 def _log_metrics(metrics: MetricsLog, data_wait: DataWaitWatch, engine, result: TrainResult, step: int,
-                 steps: int, load: list[list[float]], rate: float) -> None:
+                 last_line: int, gathered: tuple[list[list[float]], int], rate: float) -> None:
     """One log step: every rank adds the gathered load to the run totals (the same on all ranks:
-    they travel in every rank's checkpoint); rank 0 applies the data-wait rule and writes the line."""
+    they travel in every rank's checkpoint); rank 0 applies the data-wait rule and writes the line.
+    `gathered`: every rank's [seconds, wait, peak] and the steps they cover (the segment's first
+    step is left out, as from samples/s, unless it is itself a log step)."""
+    load, steps = gathered
     kind = peak_memory(engine.device)[1]
-    ranks = rank_record(load, steps, kind)
-    result.rank_load = add_to_totals(result.rank_load, load, steps, kind)
+    ranks = rank_record(load, steps, kind) if steps else None   # none: a SIGTERM stop right after step 1
+    if ranks:
+        result.rank_load = add_to_totals(result.rank_load, load, steps, kind)
     if not metrics.enabled:
         return
-    data_wait.update(step, ranks["data_wait"])
-    window = result.losses[-steps:]
+    if ranks:
+        data_wait.update(step, ranks["data_wait"])
+    window = result.losses[last_line:step]                                  # the steps since the last line
     norm = engine.get_global_grad_norm()   # cached by the last step; no collective
     metrics.train(step, {"loss": result.losses[-1], "loss_mean": sum(window) / len(window),
                          "lr": result.lrs[-1], "grad_norm": None if norm is None else float(norm),

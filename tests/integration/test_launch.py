@@ -165,21 +165,23 @@ def test_too_little_shared_memory_stops_before_training_with_exit_code_2(launch_
 
 
 def test_metrics_monitors_and_a_slow_loader_on_one_rank(launch_data, tmp_path):
-    """Rank 1's loader hands each batch over 0.3 s late (faults.inject_data_delay_s). metrics.jsonl
+    """Rank 1's loader hands each batch over 0.5 s late (faults.inject_data_delay_s). metrics.jsonl
     holds a line per log step with the summary's losses; TensorBoard and the CSV monitor hold
     Train/loss at the same optimizer steps with the same values (DeepSpeed's own Train/Samples/lr
-    at step x global batch samples); rank 1's data-wait fraction is above rank 0's in every window
-    after the first, the warning names rank 1 once, and the summary names it as the max-data-wait
-    rank. Step times agree across ranks: every step ends in a collective both ranks wait at."""
+    at step x global batch samples); rank 1's data-wait fraction is above rank 0's in every window,
+    the warning names rank 1 as often as the rule says from those windows, and the summary names it
+    as the max-data-wait rank. Step times agree across ranks: every step ends in a collective both
+    ranks wait at."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from rsclip_ds.reporting.load import data_wait_outliers
     from rsclip_ds.reporting.metrics import read_metrics
 
     out = tmp_path / "run"
     cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port())]
     cmd += train_args(launch_data, out, ["profile=zero2", "steps=8", "optim.warmup_steps=2", "logging.log_every=2",
                                          "checkpoint.at_end=false", "logging.tensorboard=true", "logging.csv=true",
-                                         "faults.inject_data_delay_s=0.3", "faults.inject_data_delay_rank=1"])
+                                         "faults.inject_data_delay_s=0.5", "faults.inject_data_delay_rank=1"])
     proc = run_checked(cmd)
     text = proc.stdout + proc.stderr
     s = json.loads((out / "summary.json").read_text())
@@ -201,10 +203,14 @@ def test_metrics_monitors_and_a_slow_loader_on_one_rank(launch_data, tmp_path):
     # the slow rank
     waits = [r["ranks"]["data_wait"] for r in lines]
     print("data wait per window (rank 0, rank 1):", waits, "step s:", [r["ranks"]["step_s"] for r in lines])
-    assert all(w[1] > w[0] for w in waits[1:]), waits
-    assert text.count("rank 1 waits for data") == 1, text[-4000:]
+    assert all(w[1] > w[0] for w in waits), waits
+    # a warning each time rank 1 becomes an outlier by the default rule (> 0.2 and > 3x the other)
+    flagged = [1 in data_wait_outliers(w, 0.2, 3.0) for w in waits]
+    entries = sum(now and not before for before, now in zip([False] + flagged, flagged))
+    assert entries >= 1 and text.count("rank 1 waits for data") == entries, (waits, text[-4000:])
+    assert "rank 0 waits for data" not in text
     load = s["load"]
-    # run means include the first window's start-up (measured 1.4-3.3 s here), which both ranks wait through
+    # measured per window: 0.81-0.90 here; 0.24-0.52 (with a 0.3 s delay) while other runs loaded the 2 cores
     assert load["max_data_wait_rank"] == 1 and load["data_wait"][1] > max(0.2, 5 * load["data_wait"][0]), load
     assert abs(load["step_s"][1] - load["step_s"][0]) < 0.15 * max(load["step_s"]), load
     assert {load["slowest_rank"], load["fastest_rank"]} == {0, 1}
