@@ -253,9 +253,29 @@ class Bf16Config(_Strict):
 
 
 class LoggingConfig(_Strict):
-    log_every: int = Field(10, ge=1, description="Optimizer steps between log lines / progress updates.")
+    log_every: int = Field(10, ge=1, description="Optimizer steps between log lines / progress updates. "
+                           "Each log step rank 0 also appends a line to {output_dir}/metrics.jsonl and "
+                           "writes the monitor events (docs/monitoring.md).")
     progress: Literal["auto", "rich", "plain"] = Field(
         "auto", description="'rich' live progress, 'plain' log lines, 'auto': rich on a terminal.")
+    tensorboard: bool = Field(
+        False, description="DeepSpeed's TensorBoard monitor, writing under {output_dir}/monitor/tensorboard "
+        "(needs the `tensorboard` package). A profile may instead carry its own `tensorboard` section, "
+        "but not both.")
+    csv: bool = Field(
+        False, description="DeepSpeed's CSV monitor: one CSV per metric under {output_dir}/monitor/csv. A "
+        "profile may instead carry its own `csv_monitor` section, but not both.")
+    wandb: bool = Field(
+        False, description="DeepSpeed's Weights & Biases monitor, offline (WANDB_MODE=offline unless the "
+        "environment sets WANDB_MODE), files under {output_dir}/monitor/wandb; `wandb sync` uploads "
+        "them later. Needs `pip install wandb`.")
+    wandb_project: str = Field("rsclip_ds", description="The W&B project name (logging.wandb).")
+    data_wait_warn_fraction: float = Field(
+        0.2, ge=0, le=1, description="Warn when a rank spends more than this fraction of its step time "
+        "waiting for its next batch ... (and see data_wait_warn_ratio; both must hold).")
+    data_wait_warn_ratio: float = Field(
+        3.0, ge=1, description="... and more than this many times the median data-wait fraction of the "
+        "other ranks. Warned once when a rank crosses both, again only after it has recovered.")
 
 
 class CheckpointConfig(_Strict):
@@ -301,10 +321,24 @@ class FaultConfig(_Strict):
     inject_freeze_at_step: Optional[int] = Field(
         None, description="FAULT INJECTION for tests, never set in real runs: the last rank SIGSTOPs "
         "itself at the start of this optimizer step (a hung host: its sockets stay open).")
+    inject_data_delay_s: Optional[float] = Field(
+        None, gt=0, description="FAULT INJECTION for tests, never set in real runs: rank "
+        "`inject_data_delay_rank` sleeps this many seconds before handing over each micro-batch (a "
+        "slow loader on one rank).")
+    inject_data_delay_rank: Optional[int] = Field(
+        None, ge=0, description="FAULT INJECTION for tests: the rank `inject_data_delay_s` slows down "
+        "(default: the last rank, like the other injections).")
     inject_kill_in_save_at_step: Optional[int] = Field(
         None, description="FAULT INJECTION for tests, never set in real runs: the last rank SIGKILLs "
         "itself inside the checkpoint save of this step, after writing its shards and before the "
         "latest pointer moves.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "FaultConfig":
+        if self.inject_data_delay_rank is not None and self.inject_data_delay_s is None:
+            raise ValueError("faults.inject_data_delay_rank is set without faults.inject_data_delay_s: "
+                             "give the delay too, e.g. --set faults.inject_data_delay_s=0.2")
+        return self
 
 
 class EvalConfig(_Strict):

@@ -11,6 +11,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from datetime import timedelta
 
 log = logging.getLogger("rsclip_ds")
@@ -60,6 +61,15 @@ def configure_logging(rank: int) -> None:
                         format=f"[%(asctime)s rank{rank}] %(message)s", datefmt="%H:%M:%S", force=True)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def configure_wandb_offline(monitor_dir: Path) -> None:
+    """logging.wandb: DeepSpeed's W&B monitor calls wandb.init(project, group, entity) only, so
+    offline mode and the folder go through wandb's environment variables; a WANDB_MODE the user
+    set (online, to stream) is kept."""
+    os.environ.setdefault("WANDB_MODE", "offline")
+    (monitor_dir / "wandb").mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("WANDB_DIR", str(monitor_dir / "wandb"))
 
 
 def process_group_exists() -> bool:

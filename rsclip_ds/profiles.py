@@ -12,6 +12,7 @@ written as the word "local_world_size" and resolved by build_ds_config.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -393,13 +394,46 @@ def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu
                 f"profile {profile.path.name} sets {key}={json.dumps(theirs)} but the run config gives "
                 f"{json.dumps(values.get(key))} (from {RUN_KEYS[key]}); per-run values come from the run "
                 f"config: remove {key!r} from the profile, or change {RUN_KEYS[key]}")
-    config = {"steps_per_print": 10**9, "wall_clock_breakdown": False, **profile.strategy, **values}
+    config = {"steps_per_print": 10**9, "wall_clock_breakdown": False, **profile.strategy, **values,
+              **monitor_sections(run, profile)}
     if "zero_optimization" in config:
         config["zero_optimization"] = resolve_per_node(profile, world_size, local_world_size)
     if profile.offload_optimizer and values["optimizer"]["params"]["torch_adam"]:
         # torch.optim.AdamW on offloaded states: allowed, slower than DeepSpeedCPUAdam on GPUs.
         config["zero_force_ds_cpu_optimizer"] = False
     return config
+
+
+# logging.<switch> -> (DeepSpeed's section, the folder under {output_dir}/monitor, the package it needs)
+MONITORS = {"tensorboard": ("tensorboard", "tensorboard", "tensorboard"),
+            "csv": ("csv_monitor", "csv", None),
+            "wandb": ("wandb", "wandb", "wandb")}
+
+
+def monitor_sections(run: RunConfig, profile: Profile) -> dict[str, Any]:
+    """logging.tensorboard / csv / wandb -> DeepSpeed's monitor sections, writing under
+    {output_dir}/monitor/<kind> (DeepSpeed joins output_path and job_name). A profile's own
+    `tensorboard` / `csv_monitor` section keeps working when the switch is off; both at once is
+    an error (two places deciding where one monitor writes). A missing package fails here, not
+    inside deepspeed.initialize on rank 0."""
+    sections: dict[str, Any] = {}
+    root = Path(run.output_dir) / "monitor"
+    for switch, (section, folder, package) in MONITORS.items():
+        if not getattr(run.logging, switch):
+            continue
+        if section in profile.strategy:
+            raise ConfigError(f"logging.{switch}=true and profile {profile.path.name} has its own {section!r} "
+                              f"section: remove the section from the profile (the run then writes under "
+                              f"{root}/{folder}), or --set logging.{switch}=false to keep the profile's")
+        if package and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"logging.{switch}=true needs the {package!r} package: pip install {package} "
+                              f"(or --set logging.{switch}=false)")
+        if switch == "wandb":
+            # offline: the trainer sets WANDB_MODE / WANDB_DIR (docs/monitoring.md)
+            sections[section] = {"enabled": True, "project": run.logging.wandb_project}
+        else:
+            sections[section] = {"enabled": True, "output_path": str(root), "job_name": folder}
+    return sections
 
 
 def activation_checkpointing_enabled(run: RunConfig, profile: Profile) -> bool:

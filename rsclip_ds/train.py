@@ -16,6 +16,8 @@ import torch.distributed as dist
 from rsclip_ds.checkpoint import tag_for
 from rsclip_ds.engine import engine_dtype, loss_scale
 from rsclip_ds.profiles import BatchSizes
+from rsclip_ds.reporting.load import DataWaitWatch, LoadWindow, TimedBatches, add_to_totals, peak_memory, rank_record
+from rsclip_ds.reporting.metrics import MetricsLog
 from rsclip_ds.reporting.progress import ProgressReporter
 
 log = logging.getLogger("rsclip_ds")
@@ -120,6 +122,7 @@ class TrainResult:
     samples_per_s: float = 0.0                          # global samples/s after the first step of this segment, saves and hooks excluded
     bad_data: dict[str, int] = field(default_factory=dict)   # bad samples skipped, sum over ranks
     checkpoints: list[str] = field(default_factory=list)     # tags saved by this segment
+    rank_load: dict = field(default_factory=dict)       # per-rank totals of the log windows (reporting.load)
     resumed_from: list[int] = field(default_factory=list)    # steps this run was resumed at
     stopped: str | None = None                          # 'sigterm' when pre-empted
 
@@ -157,6 +160,21 @@ class Guard:
     inject_nan_at_step: int | None = None
     inject_kill_at_step: int | None = None
     inject_freeze_at_step: int | None = None
+    inject_data_delay_s: float | None = None
+    inject_data_delay_rank: int | None = None           # None: the last rank
+
+    def delayed(self, batches: Iterator[dict], rank: int, world_size: int) -> Iterator[dict]:
+        """The batches, each handed over `inject_data_delay_s` late on the chosen rank (a slow loader)."""
+        target = world_size - 1 if self.inject_data_delay_rank is None else self.inject_data_delay_rank
+        if not self.inject_data_delay_s or rank != target:
+            return batches
+        log.warning("fault injection: rank %d sleeps %.3g s before each batch", rank, self.inject_data_delay_s)
+
+        def slow():
+            for batch in batches:
+                time.sleep(self.inject_data_delay_s)
+                yield batch
+        return slow()
 
     def before_step(self, step: int, rank: int, world_size: int) -> None:
         if rank != world_size - 1:
@@ -172,21 +190,29 @@ class Guard:
         return loss
 
 
-def _sync(pending: list[torch.Tensor], bad: dict[str, int], stop: bool) -> tuple[list[float], dict[str, int], bool]:
+def _sync(pending: list[torch.Tensor], bad: dict[str, int], stop: bool, load: Sequence[float] = ()
+          ) -> tuple[list[float], dict[str, int], bool, list[list[float]]]:
     """One all-reduce per sync point: the pending losses (mean over ranks), the bad-data
-    counts (sum) and the stop flag (any rank). No host sync between sync points."""
+    counts (sum), the stop flag (any rank) and each rank's `load` numbers (gathered: rank r
+    fills its own slots of a world x len(load) block, zeros elsewhere, so the sum is the
+    gather). No host sync between sync points."""
     world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
     # On the losses' device: a GPU run's process group is NCCL only, which rejects CPU tensors.
-    losses_t = torch.stack(pending).double()   # float64: counts stay exact past 2**24
-    values = torch.cat([losses_t, torch.tensor([float(v) for v in bad.values()] + [float(stop)],
+    losses_t = torch.stack(pending).double()   # float64: counts and byte counts stay exact past 2**24
+    k = len(load)
+    slots = [0.0] * (world * k)                                                        # (world * k,)
+    slots[rank * k:(rank + 1) * k] = [float(v) for v in load]
+    values = torch.cat([losses_t, torch.tensor([float(v) for v in bad.values()] + slots + [float(stop)],
                                                dtype=torch.float64, device=losses_t.device)])
     if world > 1:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
     values = values.cpu()   # the one host sync of this sync point
-    n = len(pending)
+    n, b = len(pending), len(bad)
     losses = (values[:n] / world).tolist()
-    counts = dict(zip(bad, (int(v) for v in values[n:-1].tolist())))
-    return losses, counts, bool(values[-1] > 0)
+    counts = dict(zip(bad, (int(v) for v in values[n:n + b].tolist())))
+    gathered = values[n + b:-1].view(world, k).tolist() if k else []                   # (world, k)
+    return losses, counts, bool(values[-1] > 0), gathered
 
 
 def _nonfinite_run(losses: list[float]) -> int:
@@ -245,13 +271,18 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
           log_every: int, reporter: ProgressReporter, accumulation: str = "plain", *,
           hooks: Sequence[Callable[[int, Any], dict | None]] = (), checkpointer=None,
           guard: Guard | None = None, loader=None, resume: dict | None = None,
-          stop_after: int | None = None) -> TrainResult:
+          stop_after: int | None = None, metrics: MetricsLog | None = None,
+          data_wait: DataWaitWatch | None = None) -> TrainResult:
     """Steps `start+1 .. steps`. `hooks(step, engine)` run on every rank after each optimizer
     step; the dicts they return are logged and kept in result.evals. `loader` (optional)
     gives `state_dict()` for checkpoints and `bad_data()` for the counts; `resume` is this
     rank's saved client state; `stop_after` ends the loop after that step (checkpoint saved).
+    `metrics` gets a line per log step and evaluation (rank 0's writes; no-op elsewhere);
+    `data_wait` warns about a rank waiting for data far more than the others.
     Host syncs happen only at sync points (log, save, stop check)."""
     guard = guard or Guard()
+    metrics = metrics or MetricsLog("", enabled=False)
+    data_wait = data_wait or DataWaitWatch()
     start, result = restore_client_state(resume) if resume else (0, TrainResult())
     bad_local = (lambda: loader.bad_data()) if hasattr(loader, "bad_data") else dict
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -261,7 +292,10 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
     paused = 0.0   # seconds in checkpoint saves and hooks (evaluation): left out of samples/s
     last = min(steps, stop_after or steps)   # stop_after ends this process early, same schedule
     if start == 0:   # a fresh run: hooks see the initial model too (evaluation from chance)
-        _run_hooks(hooks, 0, engine, result, reporter)
+        _run_hooks(hooks, 0, engine, result, reporter, metrics)
+    batches = TimedBatches(guard.delayed(batches, rank, world))   # counts the seconds blocked in next()
+    window, window_from = LoadWindow(batches, engine.device), start   # this rank's load after step window_from
+    last_line = start
     t_loop = time.perf_counter()
     for step in range(start + 1, last + 1):
         guard.before_step(step, rank, world)
@@ -271,22 +305,31 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
         if step == start + 1:
             t_first = time.perf_counter()   # excludes lazy init / first-call overheads
             result.first_step_s = t_first - t_loop
+            if step % log_every and step != last:   # the load numbers leave it out too (start-up)
+                window.reset(paused)
+                window_from = step
         if hooks:
             t_hooks = time.perf_counter()
-            _run_hooks(hooks, step, engine, result, reporter)
+            _run_hooks(hooks, step, engine, result, reporter, metrics)
             paused += time.perf_counter() - t_hooks   # t_first is set before the hooks run
         save_due = checkpointer is not None and checkpointer.due(step, last)
         if not (save_due or step % log_every == 0 or step % guard.stop_check_every == 0 or step == last):
             continue
-        losses, result.bad_data, stop = _sync(pending, bad_local(), guard.stop_requested())
+        losses, result.bad_data, stop, load = _sync(pending, bad_local(), guard.stop_requested(),
+                                                    window.values(paused))
         result.losses += losses
         pending = []
-        _check_finite(result.losses, step, guard)
-        if step % log_every == 0 or step == last or stop:
+        # a run about to stop for non-finite losses logs that step first (metrics.jsonl keeps it)
+        failing = guard.check_nonfinite and _nonfinite_run(result.losses) >= guard.max_nonfinite_steps
+        if step % log_every == 0 or step == last or stop or failing:
             elapsed = time.perf_counter() - t_first - paused
             rate = sizes.global_batch * (step - start - 1) / elapsed if step > start + 1 else float("nan")
             reporter.update(step, {"loss": result.losses[-1], "lr": result.lrs[-1], "samples/s": rate,
                                    "loss_scale": loss_scale(engine), **_counts(engine, result)})
+            _log_metrics(metrics, data_wait, engine, result, step, last_line, (load, step - window_from), rate)
+            window.reset(paused)
+            window_from = last_line = step
+        _check_finite(result.losses, step, guard)
         finite = not guard.check_nonfinite or all(math.isfinite(v) for v in losses)
         if checkpointer is not None and (save_due or stop) and not finite:
             log.warning("step %d: not saving a checkpoint, a loss since the last sync is not finite", step)
@@ -312,12 +355,38 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
     return result
 
 
-def _run_hooks(hooks, step: int, engine, result: TrainResult, reporter: ProgressReporter) -> None:
+def _run_hooks(hooks, step: int, engine, result: TrainResult, reporter: ProgressReporter,
+               metrics_log: MetricsLog) -> None:
     for hook in hooks:
         metrics = hook(step, engine)
         if metrics:
             result.evals.append({"step": step, **metrics})
             reporter.update(step, {k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+            metrics_log.eval(step, metrics)
+
+
+def _log_metrics(metrics: MetricsLog, data_wait: DataWaitWatch, engine, result: TrainResult, step: int,
+                 last_line: int, gathered: tuple[list[list[float]], int], rate: float) -> None:
+    """One log step: every rank adds the gathered load to the run totals (the same on all ranks:
+    they travel in every rank's checkpoint); rank 0 applies the data-wait rule and writes the line.
+    `gathered`: every rank's [seconds, wait, peak] and the steps they cover (the segment's first
+    step is left out, as from samples/s, unless it is itself a log step)."""
+    load, steps = gathered
+    kind = peak_memory(engine.device)[1]
+    ranks = rank_record(load, steps, kind) if steps else None   # none: a SIGTERM stop right after step 1
+    if ranks:
+        result.rank_load = add_to_totals(result.rank_load, load, steps, kind)
+    if not metrics.enabled:
+        return
+    if ranks:
+        data_wait.update(step, ranks["data_wait"])
+    window = result.losses[last_line:step]                                  # the steps since the last line
+    norm = engine.get_global_grad_norm()   # cached by the last step; no collective
+    metrics.train(step, {"loss": result.losses[-1], "loss_mean": sum(window) / len(window),
+                         "lr": result.lrs[-1], "grad_norm": None if norm is None else float(norm),
+                         "samples_per_s": None if math.isnan(rate) else rate, "loss_scale": loss_scale(engine),
+                         "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
+                         "bad_data": result.bad_data, "ranks": ranks})
 
 
 def _counts(engine, result: TrainResult) -> dict[str, int]:

@@ -28,8 +28,8 @@ from rsclip_ds.checkpoint import Checkpointer, checkpoint_root, prepare_fresh_ro
 from rsclip_ds.config import ConfigError, RunConfig
 from rsclip_ds.data import build_train_loader, check_shared_memory, expand_urls
 from rsclip_ds.distributed import (DistInfo, StopFlag, accelerator_is_gpu, configure_logging,
-                                   destroy_distributed, init_distributed, process_group_exists,
-                                   seconds_since_process_start, world_size_from_env)
+                                   configure_wandb_offline, destroy_distributed, init_distributed,
+                                   process_group_exists, seconds_since_process_start, world_size_from_env)
 from rsclip_ds.engine import build_engine, lr_scheduler, set_fp32_masters
 from rsclip_ds.evaluation.hook import build_eval_hook
 from rsclip_ds.finetune import apply_finetune, param_groups
@@ -41,6 +41,8 @@ from rsclip_ds.model import ModelBundle, apply_activation_checkpointing, build_m
 from rsclip_ds.profiles import (BatchSizes, Profile, activation_checkpointing_enabled, build_ds_config,
                                 derive_batch, load_profile, scaled_lr)
 from rsclip_ds.reporting.curves import plot_curves
+from rsclip_ds.reporting.load import DataWaitWatch
+from rsclip_ds.reporting.metrics import MetricsLog
 from rsclip_ds.reporting.progress import ProgressReporter
 from rsclip_ds.reporting.summary import build_summary, print_summary, write_summary
 from rsclip_ds.reshard import load_resharded, needs_universal, universal_ds_config
@@ -57,6 +59,10 @@ def check_run(run: RunConfig, *, shards: bool = True) -> tuple[Profile, dict]:
     profile = load_profile(run.profile)
     ds_config = build_ds_config(run, profile, world_size_from_env(), on_gpu=accelerator_is_gpu())
     check_source(run.model)
+    delay_rank = run.faults.inject_data_delay_rank
+    if delay_rank is not None and delay_rank >= world_size_from_env():
+        raise ConfigError(f"faults.inject_data_delay_rank={delay_rank}, but the run has {world_size_from_env()} "
+                          f"rank(s): name a rank below that")
     if not shards:
         return profile, ds_config
     if not run.data.train_shards:
@@ -122,6 +128,8 @@ class Trainer:
         self.heartbeat = Heartbeat(self.info.rank, self.info.world_size, interval=f.heartbeat_s,
                                    timeout=f.peer_timeout_s, stopping=self.stop).start()
         configure_logging(self.info.rank)
+        if self.run.logging.wandb:
+            configure_wandb_offline(Path(self.run.output_dir) / "monitor")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -209,7 +217,8 @@ class Trainer:
         return Guard(stop_requested=self.stop, stop_check_every=f.stop_check_every,
                      max_nonfinite_steps=f.max_nonfinite_steps, check_nonfinite=self.run.precision != "fp16",
                      inject_nan_at_step=f.inject_nan_at_step, inject_kill_at_step=f.inject_kill_at_step,
-                     inject_freeze_at_step=f.inject_freeze_at_step)
+                     inject_freeze_at_step=f.inject_freeze_at_step, inject_data_delay_s=f.inject_data_delay_s,
+                     inject_data_delay_rank=f.inject_data_delay_rank)
 
     def _write_run_files(self) -> None:
         out = Path(self.run.output_dir)
@@ -224,13 +233,18 @@ class Trainer:
         p, run, rank = self.build(), self.run, self.info.rank
         torch.manual_seed(run.seed + 1000 * rank)   # dropout / augmentation differ per rank
         reporter = ProgressReporter(run.steps, run.logging.progress, enabled=rank == 0)
+        lg = run.logging
+        metrics = MetricsLog(Path(run.output_dir) / "metrics.jsonl", p.engine.monitor, enabled=rank == 0,
+                             resumed_at=p.resume["step"] if p.resume else None)
         try:
             result = train(p.engine, iter(p.loader), p.loss_fn, p.batch, run.steps, run.logging.log_every,
                            reporter, accumulation=run.batch.accumulation, hooks=p.hooks,
                            checkpointer=p.checkpointer, guard=p.guard, loader=p.loader,
-                           resume=p.resume, stop_after=run.checkpoint.stop_after)
+                           resume=p.resume, stop_after=run.checkpoint.stop_after, metrics=metrics,
+                           data_wait=DataWaitWatch(lg.data_wait_warn_fraction, lg.data_wait_warn_ratio))
         finally:
             reporter.close()
+            metrics.close()
         self.startup["first_step"] = result.first_step_s   # loader workers start, first batch, lazy init
         summary = self._finish(result) if rank == 0 else None
         if result.stopped:

@@ -20,9 +20,10 @@ def log_results(results: dict, step: int | None = None) -> None:
 
 def write_monitor(monitor, results: dict, step: int) -> None:
     """DeepSpeed's MonitorMaster (TensorBoard / CSV / W&B as the DeepSpeed config says);
-    events 'eval/<group>/<metric>' at the optimizer step."""
+    events 'Eval/<group>/<metric>' at the optimizer step, the names training writes
+    (reporting.metrics.MetricsLog.eval)."""
     if monitor is not None and monitor.enabled:
-        monitor.write_events([(f"eval/{k}", v, step) for k, v in flat_metrics(results).items()])
+        monitor.write_events([(f"Eval/{k}", v, step) for k, v in flat_metrics(results).items()])
 
 
 def build_monitor(ds_config: dict):
@@ -40,7 +41,8 @@ def build_eval_hook(run, bundle: ModelBundle, rank: int, world_size: int):
     """-> hook(step, engine) evaluating every `run.eval.every` steps and after the last, through
     the engine's forward (ZeRO-3 safe); None when run.eval.every is 0. The data sets are read
     now, so a wrong path fails before training starts. Returns the flat metrics, None on other
-    steps; rank 0 writes {output_dir}/eval/step{N:08d}.json and the engine's monitor events."""
+    steps; rank 0 writes {output_dir}/eval/step{N:08d}.json (the train loop writes the returned
+    metrics to metrics.jsonl and the engine's monitor)."""
     cfg = run.eval
     if cfg.every == 0:
         return None
@@ -61,7 +63,6 @@ def build_eval_hook(run, bundle: ModelBundle, rank: int, world_size: int):
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / f"step{step:08d}.json").write_text(json.dumps({"step": step, **results}, indent=2))
             log_results(results, step)
-        write_monitor(getattr(engine, "monitor", None), results, step)
         return flat_metrics(results)
 
     return hook

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rsclip_ds.profiles import BatchSizes, Profile
+from rsclip_ds.reporting.load import HOST_PEAK, load_summary
 from rsclip_ds.train import TrainResult
 
 
@@ -31,6 +32,8 @@ def build_summary(result: TrainResult, *, profile: Profile, batch: BatchSizes, p
         "loss_start": _window_mean(result.losses, head=True),
         "loss_end": _window_mean(result.losses, head=False),
         **result.to_dict(),
+        # per-rank means over the log windows, and the slowest / fastest / max-data-wait ranks
+        "load": load_summary(result.rank_load),
     }
 
 
@@ -63,6 +66,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     ]
     if s.get("loss_scale") is not None:
         rows.append(("fp16 loss scale", f"{s['loss_scale']:g}"))
+    rows += _load_rows(s.get("load"))
     rows += _fault_rows(s)
     for row in rows:
         table.add_row(*row)
@@ -77,6 +81,21 @@ _HEADLINE = ("zero_shot/top1", "zero_shot/mean_per_class", "retrieval/i2t_R@1", 
 def _headline(ev: dict[str, Any]) -> str:
     keys = [k for k in _HEADLINE if k in ev] or [k for k in ev if k != "step"]
     return ", ".join(f"{k} {ev[k]:.4g}" if isinstance(ev[k], float) else f"{k} {ev[k]}" for k in keys)
+
+
+def _load_rows(load: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The per-rank load (reporting.load): which rank was slowest, which waited most for data."""
+    if not load or len(load["step_s"]) < 2:
+        return []
+    step_s, wait, peak = load["step_s"], load["data_wait"], load["peak_mem_bytes"]
+    slow, fast, waits, big = (load[k] for k in ("slowest_rank", "fastest_rank", "max_data_wait_rank",
+                                                "max_peak_mem_rank"))
+    what = "host RSS high-water" if load["peak_mem_kind"] == HOST_PEAK else "GPU max allocated"
+    return [("step time per rank", f"slowest rank {slow} ({step_s[slow]:.3f} s), fastest rank {fast} "
+                                   f"({step_s[fast]:.3f} s)"),
+            ("data wait per rank", f"max rank {waits} ({100 * wait[waits]:.0f}% of its step time); "
+                                   + ", ".join(f"rank {r} {100 * w:.0f}%" for r, w in enumerate(wait))),
+            ("peak memory per rank", f"max rank {big} ({peak[big] / 2**30:.2f} GiB {what})")]
 
 
 def _fault_rows(s: dict[str, Any]) -> list[tuple[str, str]]:

@@ -15,6 +15,7 @@ import torch
 
 from rsclip_ds.checkpoint import (META, POINTER, consolidated_state_dict, read_pointer,
                                   resolve_checkpoint)
+from rsclip_ds.reporting.metrics import read_metrics
 from tests.integration.helpers import (CHECKPOINT_RUN, TimedJob, deepspeed_cmd, free_port, launch_run, summary,
                                      train_args)
 
@@ -89,11 +90,20 @@ def test_sigkilled_rank_brings_the_job_down_and_resume_loses_only_steps_since_th
     print(f"job down {down:.1f} s after the SIGKILL")   # measured: see docs/checkpoints.md
     assert down < 30, f"the job took {down:.0f} s to go down after a rank died"
     assert read_pointer(out / "checkpoints") == "step00000004"
+    # rank 0's metrics.jsonl kept every log step before the kill (a line every 2 steps), with the
+    # losses of the uninterrupted run
+    ref_losses = summary(reference)["losses"]
+    killed = read_metrics(out / "metrics.jsonl")
+    assert [(r["step"], r["loss"]) for r in killed["train"]] == [(k, ref_losses[k - 1]) for k in (2, 4, 6)]
     ok(launch_run(launch_data, out, extra=["--resume", "latest"]))
     s = summary(out)
     assert s["resumed_from"] == [4]          # steps 5 and 6 were lost, nothing before them
-    assert s["losses"] == summary(reference)["losses"]
+    assert s["losses"] == ref_losses
     assert_same_weights(out, reference)
+    # the resumed run appended after a marker; step 6 was written twice, the later line wins
+    m = read_metrics(out / "metrics.jsonl")
+    assert [(e["event"], e.get("step")) for e in m["events"]] == [("start", None), ("resume", 4)]
+    assert [(r["step"], r["loss"]) for r in m["train"]] == [(k, ref_losses[k - 1]) for k in (2, 4, 6, 8)]
 
 
 def test_frozen_rank_is_detected_by_the_heartbeat_within_the_peer_timeout(launch_data, tmp_path):

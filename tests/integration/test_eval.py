@@ -129,5 +129,5 @@ def test_eval_command_on_exported_folder(trained, eval_data, tmp_path):
     assert res["zero_shot"]["top1"] == pytest.approx(after["zero_shot/top1"], abs=1e-6)
     assert res["retrieval"]["mean_recall"] == pytest.approx(after["retrieval/mean_recall"], abs=1e-6)
     assert len(res["zero_shot"]["per_class"]) == 8
-    rows = (tmp_path / "csv/ev/eval_zero_shot_top1.csv").read_text().split()
+    rows = (tmp_path / "csv/ev/Eval_zero_shot_top1.csv").read_text().split()
     assert rows[0] == "step,top1" and float(rows[1].split(",")[1]) == pytest.approx(res["zero_shot"]["top1"])

@@ -162,3 +162,56 @@ def test_too_little_shared_memory_stops_before_training_with_exit_code_2(launch_
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "rsclip-ds: error: the data loader needs ~" in proc.stderr and "--shm-size=" in proc.stderr
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_metrics_monitors_and_a_slow_loader_on_one_rank(launch_data, tmp_path):
+    """Rank 1's loader hands each batch over 0.5 s late (faults.inject_data_delay_s). metrics.jsonl
+    holds a line per log step with the summary's losses; TensorBoard and the CSV monitor hold
+    Train/loss at the same optimizer steps with the same values (DeepSpeed's own Train/Samples/lr
+    at step x global batch samples); rank 1's data-wait fraction is above rank 0's in every window,
+    the warning names rank 1 as often as the rule says from those windows, and the summary names it
+    as the max-data-wait rank. Step times agree across ranks: every step ends in a collective both
+    ranks wait at."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rsclip_ds.reporting.load import data_wait_outliers
+    from rsclip_ds.reporting.metrics import read_metrics
+
+    out = tmp_path / "run"
+    cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port())]
+    cmd += train_args(launch_data, out, ["profile=zero2", "steps=8", "optim.warmup_steps=2", "logging.log_every=2",
+                                         "checkpoint.at_end=false", "logging.tensorboard=true", "logging.csv=true",
+                                         "faults.inject_data_delay_s=0.5", "faults.inject_data_delay_rank=1"])
+    proc = run_checked(cmd)
+    text = proc.stdout + proc.stderr
+    s = json.loads((out / "summary.json").read_text())
+    lines = read_metrics(out / "metrics.jsonl")["train"]
+    want = [(r["step"], s["losses"][r["step"] - 1]) for r in lines]
+    assert [(r["step"], r["loss"]) for r in lines] == want and [st for st, _ in want] == [2, 4, 6, 8]
+    assert all(r["lr"] == s["lrs"][r["step"] - 1] and r["grad_norm"] > 0 for r in lines)
+    # TensorBoard (float32) and CSV (the float's repr) on the optimizer-step axis
+    acc = EventAccumulator(str(out / "monitor" / "tensorboard")).Reload()
+    tb = [(e.step, e.value) for e in acc.Scalars("Train/loss")]
+    assert [st for st, _ in tb] == [st for st, _ in want]
+    assert [v for _, v in tb] == pytest.approx([v for _, v in want], rel=1e-6)
+    # DeepSpeed's own lr event: after step k's scheduler step, at k x 32 samples: the lr of step k + 1
+    ds_lr = acc.Scalars("Train/Samples/lr")
+    assert [e.step for e in ds_lr] == [32 * k for k in range(1, 9)]
+    assert [e.value for e in ds_lr[:-1]] == pytest.approx(s["lrs"][1:], rel=1e-6)
+    rows = (out / "monitor" / "csv" / "Train_loss.csv").read_text().split()
+    assert rows[0] == "step,loss" and [tuple(map(float, r.split(","))) for r in rows[1:]] == want
+    # the slow rank
+    waits = [r["ranks"]["data_wait"] for r in lines]
+    print("data wait per window (rank 0, rank 1):", waits, "step s:", [r["ranks"]["step_s"] for r in lines])
+    assert all(w[1] > w[0] for w in waits), waits
+    # a warning each time rank 1 becomes an outlier by the default rule (> 0.2 and > 3x the other)
+    flagged = [1 in data_wait_outliers(w, 0.2, 3.0) for w in waits]
+    entries = sum(now and not before for before, now in zip([False] + flagged, flagged))
+    assert entries >= 1 and text.count("rank 1 waits for data") == entries, (waits, text[-4000:])
+    assert "rank 0 waits for data" not in text
+    load = s["load"]
+    # measured per window: 0.81-0.90 here; 0.24-0.52 (with a 0.3 s delay) while other runs loaded the 2 cores
+    assert load["max_data_wait_rank"] == 1 and load["data_wait"][1] > max(0.2, 5 * load["data_wait"][0]), load
+    assert abs(load["step_s"][1] - load["step_s"][0]) < 0.15 * max(load["step_s"]), load
+    assert {load["slowest_rank"], load["fastest_rank"]} == {0, 1}
+    assert "data wait per rank" in text and "max rank 1" in text

@@ -116,9 +116,12 @@ def test_nonfinite_rule():
 
 
 def test_sync_on_one_process_means_losses_sums_counts_and_flags():
-    losses, bad, stop = _sync([torch.tensor(1.5), torch.tensor(2.5)], {"decode": 3, "caption": 0}, True)
-    assert losses == [1.5, 2.5] and bad == {"decode": 3, "caption": 0} and stop is True
+    losses, bad, stop, load = _sync([torch.tensor(1.5), torch.tensor(2.5)], {"decode": 3, "caption": 0}, True)
+    assert losses == [1.5, 2.5] and bad == {"decode": 3, "caption": 0} and stop is True and load == []
     assert _sync([torch.tensor(math.nan)], {}, False)[2] is False
+    # the per-rank load numbers come back as one row per rank (one rank here), bytes exact past 2**24
+    _, bad, stop, load = _sync([torch.tensor(1.0)], {"decode": 1}, False, [0.5, 0.125, 2.0**40 + 1])
+    assert load == [[0.5, 0.125, 2.0**40 + 1]] and bad == {"decode": 1} and stop is False
 
 
 def test_train_result_round_trip_keeps_the_history():
