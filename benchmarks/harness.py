@@ -67,6 +67,25 @@ def process_group(threads: int) -> Iterator[DistInfo]:
         destroy_distributed()
 
 
+@contextmanager
+def shared_run_dir() -> Iterator[Path]:
+    """One temporary output_dir for every rank of the group (rank 0 makes it and removes it
+    after the last rank is done): a run's checkpoints live in one folder all ranks share, and
+    the Trainer's start-up check refuses per-rank folders (rsclip_ds/storage.py)."""
+    import tempfile
+
+    from rsclip_ds.storage import decide_on_rank0
+
+    path = Path(decide_on_rank0(lambda: tempfile.mkdtemp(prefix="rsclip_bench_")))
+    try:
+        yield path
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def rank0_print(rank: int) -> Callable[[str], None]:
     """print on rank 0 (rich, no markup: paths and brackets print as they are), nothing elsewhere."""
     if rank != 0:

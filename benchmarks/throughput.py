@@ -46,7 +46,6 @@ import pstats
 import statistics
 import sys
 import tarfile
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -54,7 +53,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from harness import (base_parser, environment, finish, max_over_ranks, process_group, rank0_print,
+from harness import (base_parser, environment, finish, max_over_ranks, process_group, rank0_print, shared_run_dir,
                      sum_over_ranks, synthetic_data)
 from rsclip_ds.trainer import Trainer
 from throughput_loops import LOOPS, Ctx, TimedBatches, loop_ours, run_config
@@ -125,8 +124,7 @@ def summarize(rows: list[dict], loops: list[str]) -> dict:
 def loader_rate(ctx: Ctx, batches: int) -> dict:
     """The Trainer's loader alone, all ranks pulling at once (their workers compete as in
     training); the engine it builds beside it stays idle."""
-    with tempfile.TemporaryDirectory() as out_dir, \
-            Trainer(run_config(ctx, 2, extra=(f"output_dir={out_dir}",))) as trainer:
+    with shared_run_dir() as out_dir, Trainer(run_config(ctx, 2, extra=(f"output_dir={out_dir}",))) as trainer:
         loader = TimedBatches(trainer.build().loader)
         dist.barrier()
         next(loader)                      # worker start-up, not counted

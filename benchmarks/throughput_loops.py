@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from harness import mean_over_ranks
+from harness import mean_over_ranks, shared_run_dir
 from rsclip_ds.config import RunConfig, load_config
 from rsclip_ds.data import build_train_loader
 from rsclip_ds.losses import build_loss
@@ -158,7 +158,7 @@ def loop_ours(ctx: Ctx, steps: int, negatives: str = "global", overrides: tuple[
             extra.update(final_hook(engine, trainer.parts.bundle))
         return None
 
-    with tempfile.TemporaryDirectory() as out_dir:
+    with shared_run_dir() as out_dir:   # the checkpointed variant saves there: one folder for all ranks
         run = run_config(ctx, steps, negatives, (f"output_dir={out_dir}", *overrides))
         with Trainer(run, hooks=[step_hook], wrap_loader=LoaderProxy) as trainer:
             parts = trainer.build()
