@@ -121,6 +121,11 @@ class TimedJob:
     whole seconds and wrap at midnight)."""
 
     def __init__(self, cmd: list[str]):
+        # SIGINT at its default, as from a terminal: a test run started in the background by a
+        # shell without job control ignores SIGINT, and an ignored signal stays ignored across
+        # fork and exec (Python then installs no KeyboardInterrupt handler in the launcher)
+        cmd = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+               "os.execvp(sys.argv[1], sys.argv[1:])", *cmd]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: list[tuple[float, str]] = []   # (monotonic time read, line)
