@@ -5,23 +5,16 @@ CPU in tests/integration/test_benchmark_gpu.py."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.unit.benchmark_modules import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def gpu():
-    sys.path.insert(0, str(BENCHMARKS))   # the scripts import `harness` as their sibling
-    try:
-        yield importlib.import_module("gpu")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    yield from import_benchmark("gpu")
 
 
 def _slow_batches(delay: float):

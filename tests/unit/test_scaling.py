@@ -7,27 +7,19 @@ it fits), 40% of 989 TFLOP/s.
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
 from rsclip_ds.flops import flops_per_sample
 from rsclip_ds.memory import preset_spec
 from rsclip_ds.model import preset_config
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from tests.unit.benchmark_modules import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def scaling():
-    sys.path.insert(0, str(BENCHMARKS))   # the script imports `harness` as its sibling
-    try:
-        yield importlib.import_module("scaling")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    yield from import_benchmark("scaling")
 
 
 def test_one_row_by_hand(scaling):
