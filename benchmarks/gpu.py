@@ -3,8 +3,8 @@ ZeRO-3, with and without activation checkpointing; and whether the data path kee
 steps fed by the real loader from JPEG shards (--data loader) against a batch already in device
 memory (--data tensor, the default). No network; the shards are synthetic.
 
-    python benchmarks/gpu.py --out benchmarks/results/gpu_h200.json
-    python benchmarks/gpu.py --profiles zero2 --ac off --data tensor loader \
+    python -m benchmarks.gpu --out benchmarks/results/gpu_h200.json
+    python -m benchmarks.gpu --profiles zero2 --ac off --data tensor loader \
         --out benchmarks/results/gpu_h200_loader.json        # the data path: 4 cases, ~4 min
 
 One command, 8 configurations, under 8 minutes on an H200 (about 45 s each: start-up, engine,
@@ -12,27 +12,27 @@ One command, 8 configurations, under 8 minutes on an H200 (about 45 s each: star
 (a fresh CUDA context, so peak memory is its own); one that fails or runs out of its time is
 recorded with the reason and the others go on. CPU smoke tests (what the slow test runs):
 
-    DS_ACCELERATOR=cpu python benchmarks/gpu.py --model tiny --out /tmp/gpu_tiny.json
-    DS_ACCELERATOR=cpu python benchmarks/gpu.py --model tiny --profiles zero2 --ac off --data tensor loader \
+    DS_ACCELERATOR=cpu python -m benchmarks.gpu --model tiny --out /tmp/gpu_tiny.json
+    DS_ACCELERATOR=cpu python -m benchmarks.gpu --model tiny --profiles zero2 --ac off --data tensor loader \
         --data-images 64 --data-px 64 --loader-workers 1 --out /tmp/gpu_tiny_loader.json
 
 The hybrid-sharding profiles (ds_profiles/README.md) as cases, `--profiles hybrid` (= zero3,
 zero3_hpz, zero3_zeropp): on one GPU hpZ has no node to shard within (its group is the one rank:
 zero3), but zero3_zeropp's qwZ runs its CUDA quantizer kernels (int8 all-gather), which no CPU
 test can reach; the report compares each with zero3 (samples/s, final loss on the same batches).
-Their point, inter-node traffic, needs several GPUs: benchmarks/multigpu_hybrid.sh.
+Their point, inter-node traffic, needs several GPUs: benchmarks/comms/multigpu_hybrid.sh.
 
-    python benchmarks/gpu.py --model git-rsclip-base --profiles hybrid --ac off \
+    python -m benchmarks.gpu --model git-rsclip-base --profiles hybrid --ac off \
         --out benchmarks/results/gpu_h200_hybrid.json                     # 3 cases, ~3 min
 
 Against open_clip on one GPU (docs/benchmarks.md, "Against open_clip"; VENV from
-benchmarks/openclip_env.sh, built on the GPU host), ~5 minutes; and its CPU smoke test (~1 minute):
+benchmarks/throughput/openclip_env.sh, built on the GPU host), ~5 minutes; and its CPU smoke test (~1 minute):
 
-    python benchmarks/gpu.py --open-clip VENV --model git-rsclip-base --out benchmarks/results/gpu_h200_openclip.json
-    python benchmarks/gpu.py --open-clip VENV --model tiny --openclip-steps 8 --loader-workers 1 --out /tmp/gpu_oc.json
+    python -m benchmarks.gpu --open-clip VENV --model git-rsclip-base --out benchmarks/results/gpu_h200_openclip.json
+    python -m benchmarks.gpu --open-clip VENV --model tiny --openclip-steps 8 --loader-workers 1 --out /tmp/gpu_oc.json
 
 Per configuration: samples/s (timed steps x micro / seconds, after warm-up, with a device sync
-at both ends), model FLOPs per sample (rsclip_ds.flops: 3 x the forward matmul FLOPs of both
+at both ends), model FLOPs per sample (rsclip_ds.planning.flops: 3 x the forward matmul FLOPs of both
 towers), MFU = FLOPs per sample x samples/s / peak bf16 FLOP/s of the device (989 TFLOP/s dense
 for H100/H200 SXM; --peak-tflops for others), HFU (counting the recomputed forward under
 activation checkpointing), and torch.cuda.max_memory_allocated over engine build + steps.
@@ -64,11 +64,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from harness import base_parser, environment, process_group, run_script, write_report
+if not __package__:   # `python benchmarks/gpu.py`: the package's imports below cannot resolve
+    sys.exit("run the benchmarks as modules from the repository root: python -m benchmarks.gpu --out ...")
+
+from benchmarks.harness import base_parser, environment, process_group, run_script, write_report
 
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 # micro-batch per GPU: activations ~75 MiB/sample (base) and ~243 MiB/sample (large) without
-# checkpointing (rsclip_ds.memory) -> ~19 / ~31 GB, beside 16 bytes/param of model states.
+# checkpointing (rsclip_ds.planning.memory) -> ~19 / ~31 GB, beside 16 bytes/param of model states.
 MICRO = {"git-rsclip-base": 256, "git-rsclip-large": 128, "tiny": 8}
 # --profiles hybrid: zero3 first, the reference the others are compared with (pair_with_zero3)
 PROFILE_SETS = {"hybrid": ["zero3", "zero3_hpz", "zero3_zeropp"]}
@@ -170,7 +173,7 @@ def run_case(case: Case, args) -> dict:
 
     from rsclip_ds.config import load_config
     from rsclip_ds.engine import engine_dtype
-    from rsclip_ds.flops import flops_per_sample
+    from rsclip_ds.planning.flops import flops_per_sample
     from rsclip_ds.model import load_tokenizer, preset_bundle
     from rsclip_ds.train import train_step
     from rsclip_ds.trainer import Trainer
@@ -296,7 +299,7 @@ def run_in_process(case: Case, args, timeout: float) -> dict:
         if args.peak_tflops:
             cli += ["--peak-tflops", str(args.peak_tflops)]
         t0 = time.perf_counter()
-        row = run_script(Path(__file__).resolve(), cli, result, timeout)
+        row = run_script("benchmarks.gpu", cli, result, timeout)
         if not row.get("ok", True) and row["error"].startswith("timed out"):
             row["error"] += " (raise --case-timeout)"
         return {"case": case.name, **asdict(case), **row, "process_s": time.perf_counter() - t0}
@@ -367,7 +370,7 @@ def parse_args(argv):
     parser.add_argument("--open-clip", type=Path, metavar="VENV",
                         help="run the open_clip comparison instead: open_clip's trainer (amp_bf16, pure_bf16) "
                              "against rsclip-ds train (zero2, bf16) on one GPU, the shape of the first --model "
-                             "(git-rsclip-base, or tiny for a CPU smoke test); VENV from benchmarks/openclip_env.sh")
+                             "(git-rsclip-base, or tiny for a CPU smoke test); VENV from benchmarks/throughput/openclip_env.sh")
     parser.add_argument("--openclip-steps", type=int, default=40,
                         help="--open-clip: steps per run; the rate leaves out the first quarter")
     parser.add_argument("--shards", help=argparse.SUPPRESS)
@@ -377,7 +380,7 @@ def parse_args(argv):
 
 
 def openclip_comparison(args) -> int:
-    """--open-clip VENV: benchmarks/throughput_openclip.py's comparison on one rank, the same
+    """--open-clip VENV: benchmarks/throughput/openclip.py's comparison on one rank, the same
     report (JSON + PNG + tables): open_clip_train (VENV's python, `torch.distributed.run
     --nproc_per_node 1`) with --precision amp_bf16 / pure_bf16 against `deepspeed --num_gpus 1
     --module rsclip_ds train` with zero2 bf16, the model of openclip_shapes.SHAPES[--model],

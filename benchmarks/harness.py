@@ -3,8 +3,9 @@ arguments (--out, --tiny, --threads, the launcher's --local_rank), the process g
 environment record, reductions over ranks, the rank-0 report (JSON + PNG + tables), synthetic
 shards, and sub-runs in fresh processes (one plain process, or a `deepspeed` launch of N ranks).
 
-The scripts run by path (`deepspeed ... benchmarks/X.py`), so their folder is sys.path[0] and
-this imports as `harness`.
+The scripts run as modules from the repository root (`python -m benchmarks.memory.per_rank`,
+`deepspeed --module benchmarks.comms.traffic`), so they import this as `benchmarks.harness` and
+each other by their dotted names.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from rsclip_ds.distributed import DistInfo, destroy_distributed, init_distributed
+from rsclip_ds.runtime.distributed import DistInfo, destroy_distributed, init_distributed
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -71,10 +72,10 @@ def process_group(threads: int) -> Iterator[DistInfo]:
 def shared_run_dir() -> Iterator[Path]:
     """One temporary output_dir for every rank of the group (rank 0 makes it and removes it
     after the last rank is done): a run's checkpoints live in one folder all ranks share, and
-    the Trainer's start-up check refuses per-rank folders (rsclip_ds/storage.py)."""
+    the Trainer's start-up check refuses per-rank folders (rsclip_ds/runtime/storage.py)."""
     import tempfile
 
-    from rsclip_ds.storage import decide_on_rank0
+    from rsclip_ds.runtime.storage import decide_on_rank0
 
     path = Path(decide_on_rank0(lambda: tempfile.mkdtemp(prefix="rsclip_bench_")))
     try:
@@ -206,10 +207,11 @@ def synthetic_data(root: Path, rank: int, *, num_train: int, num_val: int, shard
 
 # --------------------------------------------------------------------------- sub-runs
 
-def run_script(script: Path, args: list[str], result: Path, timeout: float, *, ranks: int | None = None,
+def run_script(module: str, args: list[str], result: Path, timeout: float, *, ranks: int | None = None,
                env: dict[str, str | None] | None = None) -> dict:
-    """`python script args` in a fresh process with no launcher variables (it makes its own
-    one-rank group), or with `ranks`: `deepspeed --num_gpus ranks script args` on a free port ->
+    """`python -m module args` in a fresh process with no launcher variables (it makes its own
+    one-rank group), or with `ranks`: `deepspeed --num_gpus ranks --module module args` on a free
+    port (this checkout on PYTHONPATH, so any working directory does) ->
     the JSON it wrote to `result`, or {"ok": False, "error": ...} when it failed, wrote nothing
     or ran out of time. `env` sets variables of the launched processes (None: unset). A launch
     adds "leaked_shm": DeepSpeed's CPU all-reduce buffers of its port left in /dev/shm."""
@@ -223,10 +225,10 @@ def run_script(script: Path, args: list[str], result: Path, timeout: float, *, r
         else:
             environ[key] = value
     port = free_port()
-    launcher = [sys.executable] if ranks is None else \
-        deepspeed_cmd() + ["--num_gpus", str(ranks), "--master_port", str(port)]
+    launcher = [sys.executable, "-m"] if ranks is None else \
+        deepspeed_cmd() + ["--num_gpus", str(ranks), "--master_port", str(port), "--module"]
     try:
-        proc = subprocess.run(launcher + [str(script), *args], env=environ, capture_output=True, text=True,
+        proc = subprocess.run(launcher + [module, *args], env=environ, capture_output=True, text=True,
                               timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"timed out after {timeout:.0f}s"}

@@ -37,7 +37,7 @@ import torch
 
 from rsclip_ds import __version__
 from rsclip_ds.config import CheckpointConfig, ConfigError, RunConfig
-from rsclip_ds.storage import fsync_dir
+from rsclip_ds.runtime.storage import fsync_dir
 
 log = logging.getLogger("rsclip_ds")
 

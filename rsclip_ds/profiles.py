@@ -272,7 +272,7 @@ def _run_values(run: RunConfig, sizes: BatchSizes, on_gpu: bool, offload: bool) 
 
 def auto_grad_accum_dtype(profile: Profile) -> str:
     """What bf16.grad_accum_dtype='auto' means for a profile. The rule (docs/precision.md, measured
-    by benchmarks/grad_accum.py): fp32 where, at k = 8 micro-batches, it brings the gradient closer
+    by benchmarks/precision/grad_accum.py): fp32 where, at k = 8 micro-batches, it brings the gradient closer
     to the fp32 big-batch one (it does at every stage) AND costs at most 2 bytes per trainable
     parameter / G of GPU memory and no bytes on the wire. ZeRO-2 and ZeRO-3 pass: their gradient
     partition becomes fp32 (and the step's fp32 copy of it goes away); with ZeRO-3's optimizer
@@ -375,7 +375,7 @@ def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu
     launcher announced (distributed.launcher_local_world_size), so that the trainer and every
     worker that builds from a profile resolve it the same way without passing it along."""
     if local_world_size is None:
-        from rsclip_ds.distributed import launcher_local_world_size
+        from rsclip_ds.runtime.distributed import launcher_local_world_size
 
         local_world_size = launcher_local_world_size()
     if profile.cuda_only and not on_gpu:

@@ -31,7 +31,7 @@ import torch
 from rsclip_ds.checkpoint import (HISTORY, RANK_FILE, UNIVERSAL_DIR, UNIVERSAL_DONE, Checkpointer, _atomic_write,
                                   _safe_globals, load_meta, resume_tag, weights_only_loads)
 from rsclip_ds.config import ConfigError
-from rsclip_ds.storage import fsync_dir
+from rsclip_ds.runtime.storage import fsync_dir
 
 log = logging.getLogger("rsclip_ds")
 

@@ -27,14 +27,14 @@ import torch
 from rsclip_ds.checkpoint import Checkpointer, checkpoint_root, prepare_fresh_root, resume_tag, write_hf_extras
 from rsclip_ds.config import ConfigError, RunConfig
 from rsclip_ds.data import build_train_loader, check_shared_memory, expand_urls
-from rsclip_ds.distributed import (DistInfo, StopFlag, accelerator_is_gpu, configure_logging,
+from rsclip_ds.runtime.distributed import (DistInfo, StopFlag, accelerator_is_gpu, configure_logging,
                                    configure_wandb_offline, destroy_distributed, init_distributed,
                                    process_group_exists, seconds_since_process_start, world_size_from_env)
 from rsclip_ds.engine import build_engine, lr_scheduler, set_fp32_masters
 from rsclip_ds.evaluation.hook import build_eval_hook
 from rsclip_ds.finetune import apply_finetune, param_groups
-from rsclip_ds.heartbeat import Heartbeat
-from rsclip_ds.host_memory import keep_freed_memory
+from rsclip_ds.runtime.heartbeat import Heartbeat
+from rsclip_ds.runtime.host_memory import keep_freed_memory
 from rsclip_ds.hub import check_source, resolve_source_per_node
 from rsclip_ds.losses import build_loss
 from rsclip_ds.model import ModelBundle, apply_activation_checkpointing, build_model
@@ -46,7 +46,7 @@ from rsclip_ds.reporting.metrics import MetricsLog
 from rsclip_ds.reporting.progress import ProgressReporter
 from rsclip_ds.reporting.summary import build_summary, print_summary, write_summary
 from rsclip_ds.reshard import load_resharded, needs_universal, universal_ds_config
-from rsclip_ds.storage import check_shared_dir, decide_on_rank0
+from rsclip_ds.runtime.storage import check_shared_dir, decide_on_rank0
 from rsclip_ds.train import Guard, Preempted, TrainResult, train
 
 log = logging.getLogger("rsclip_ds")

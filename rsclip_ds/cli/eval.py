@@ -135,7 +135,7 @@ def _bundle_from_hf_folder(folder: Path, loss: str) -> ModelBundle:
 
 def run(args) -> int:
     """The `rsclip-ds eval` handler: every rank embeds its share, rank 0 reports."""
-    from rsclip_ds.distributed import configure_logging, destroy_distributed, init_distributed
+    from rsclip_ds.runtime.distributed import configure_logging, destroy_distributed, init_distributed
 
     # everything that can fail (paths, checkpoint, data sets) before a process group exists
     bundle, step, base, default_out, ds_config = _load_for_eval(args)

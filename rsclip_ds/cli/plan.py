@@ -4,7 +4,7 @@
     rsclip-ds plan --params 5e9 --gpus 4 --gpu-mem 24GiB --global-batch 1024 --json
     rsclip-ds plan --nodes 4 --gpus-per-node 8 --inter-node-gbps 100 --gpu-mem 141GB --global-batch 32768
 
-The numbers come from `rsclip_ds.memory` (the peak's terms) and `rsclip_ds.planner` (fit and
+The numbers come from `rsclip_ds.planning.memory` (the peak's terms) and `rsclip_ds.planning.planner` (fit and
 speed); formulas and assumptions are in their docstrings.
 """
 
@@ -143,9 +143,9 @@ def run(args) -> int:
 
 def _run(args):
     """Makes the plan; prints the table (returns 0), or returns the JSON document (--json)."""
-    from rsclip_ds import comms
-    from rsclip_ds.memory import preset_spec, scaled_spec
-    from rsclip_ds.planner import Budget, Hardware, plan, recommend
+    from rsclip_ds.planning import comms
+    from rsclip_ds.planning.memory import preset_spec, scaled_spec
+    from rsclip_ds.planning.planner import Budget, Hardware, plan, recommend
     from rsclip_ds.profiles import available_profiles
 
     finetune = _finetune(args)
@@ -196,7 +196,7 @@ def _run(args):
 def write_config(row, args, world_size: int, path: Path) -> dict:
     """The recommended row as the resolved DeepSpeed dict (run config defaults + the row's values)."""
     from rsclip_ds.config import load_config
-    from rsclip_ds.planner import HYBRID, hybrid_profile
+    from rsclip_ds.planning.planner import HYBRID, hybrid_profile
     from rsclip_ds.profiles import build_ds_config, load_profile
 
     profile = hybrid_profile(row.profile, args.gpus) if row.profile in HYBRID else load_profile(row.profile)

@@ -6,18 +6,17 @@ import json
 import sys
 from pathlib import Path
 
-from tests.integration.helpers import ROOT, deepspeed_cmd, free_port, run_checked
+from tests.integration.helpers import deepspeed_cmd, free_port, run_checked
 
 
-def run_benchmark(script: str, *args: str, out: Path, ranks: int | None = 2, timeout: int = 600) -> dict:
-    """`deepspeed --num_gpus <ranks> benchmarks/<script> <args> --out <out>` (ranks=None: plain
-    `python`) -> the JSON report. A non-zero exit fails the test with the output's tail; a
+def run_benchmark(module: str, *args: str, out: Path, ranks: int | None = 2, timeout: int = 600) -> dict:
+    """`deepspeed --num_gpus <ranks> --module benchmarks.<module> <args> --out <out>` (ranks=None:
+    plain `python -m`), from the repository root -> the JSON report. A non-zero exit fails the test with the output's tail; a
     launch that leaves DeepSpeed's shared-memory all-reduce buffers behind fails it too."""
-    bench = str(ROOT / "benchmarks" / script)
     port = free_port()
-    launcher = [sys.executable] if ranks is None else \
-        deepspeed_cmd() + ["--num_gpus", str(ranks), "--master_port", str(port)]
-    run_checked(launcher + [bench, *args, "--out", str(out)], timeout=timeout)
+    launcher = [sys.executable, "-m"] if ranks is None else \
+        deepspeed_cmd() + ["--num_gpus", str(ranks), "--master_port", str(port), "--module"]
+    run_checked(launcher + [f"benchmarks.{module}", *args, "--out", str(out)], timeout=timeout)
     if ranks is not None:
         leaked = list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
         assert not leaked, f"shared-memory buffers left behind: {leaked}"

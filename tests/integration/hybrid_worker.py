@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from rsclip_ds.config import load_config
-from rsclip_ds.distributed import init_distributed
+from rsclip_ds.runtime.distributed import init_distributed
 from rsclip_ds.engine import build_engine
 from rsclip_ds.losses import build_loss
 from rsclip_ds.model import new_dual_encoder, preset_config

@@ -19,7 +19,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from rsclip_ds.distributed import init_distributed
+from rsclip_ds.runtime.distributed import init_distributed
 from rsclip_ds.losses import LOSSES, build_loss
 from rsclip_ds.model import new_dual_encoder, preset_config
 from rsclip_ds.profiles import load_profile

@@ -1,4 +1,4 @@
-"""benchmarks/comms.py on 2 CPU ranks, launched the way users launch it: bytes per optimizer step
+"""benchmarks/comms/traffic.py on 2 CPU ranks, launched the way users launch it: bytes per optimizer step
 that DeepSpeed's comms logger recorded on real engines, against hand arithmetic here.
 
 One launch (~1.5 minutes on 2 cores: six engine builds) runs ZeRO-1, -2 and -3 in bf16 at
@@ -38,7 +38,7 @@ PROFILES = ("zero1", "zero2", "zero3")
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("bench_comms")
-    return run_benchmark("comms.py", "--profiles", *PROFILES, "--accumulation", "1", "4", "--modes", "global",
+    return run_benchmark("comms.traffic", "--profiles", *PROFILES, "--accumulation", "1", "4", "--modes", "global",
                          "--hidden", str(HIDDEN), "--micro", str(MICRO), "--steps", "2", out=tmp / "comms.json",
                          ranks=W, timeout=300)
 
@@ -124,7 +124,7 @@ W4, HPZ = 4, 2
 @pytest.fixture(scope="module")
 def hpz_report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("bench_comms_hpz")
-    return run_benchmark("comms.py", "--profiles", f"zero3+hpz{HPZ}", "--accumulation", "2", "--modes", "plain",
+    return run_benchmark("comms.traffic", "--profiles", f"zero3+hpz{HPZ}", "--accumulation", "2", "--modes", "plain",
                          "--hidden", str(HIDDEN), "--micro", str(MICRO), "--steps", "1", out=tmp / "comms.json",
                          ranks=W4, timeout=300)
 

@@ -1,8 +1,8 @@
-"""benchmarks/contrastive.py --tiny on 2 CPU ranks, launched the way users launch it.
+"""benchmarks/loss/contrastive.py --tiny on 2 CPU ranks, launched the way users launch it.
 
 One launch (~20 s on 2 idle cores, most of it start-up and engine builds); the assertions are on
 the bytes the benchmark counted, against each other and against the memory model evaluated here
-(`rsclip_ds.memory`), so a regression in the losses or in 'global' accumulation that changes
+(`rsclip_ds.planning.memory`), so a regression in the losses or in 'global' accumulation that changes
 their memory shows up here, not only a missing file.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from transformers import SiglipConfig
 
-from rsclip_ds import memory
+from rsclip_ds.planning import memory
 from tests.integration.benchmark_helpers import run_benchmark
 
 pytestmark = pytest.mark.slow
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("bench") / "contrastive.json"
-    return run_benchmark("contrastive.py", "--tiny", out=out, timeout=180)
+    return run_benchmark("loss.contrastive", "--tiny", out=out, timeout=180)
 
 
 def _loss(report: dict, form: str, b: int) -> dict:

@@ -1,4 +1,4 @@
-"""benchmarks/decode.py at a tiny size (~15 s): it runs by path, times every method that is
+"""benchmarks/data/decode.py at a tiny size (~15 s): it runs by path, times every method that is
 installed in alternation, and measures each one's pixels against the evaluation transform. The
 pixel differences are exact facts (the same libjpeg-turbo decode, the same draft scale); the
 rates are timing, so only a gross regression breaks their assertion."""
@@ -16,7 +16,7 @@ REPEATS = 2
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("decode") / "decode.json"
-    return run_benchmark("decode.py", "--num-images", "6", "--sources", "64", "600", "--sizes", "224",
+    return run_benchmark("data.decode", "--num-images", "6", "--sources", "64", "600", "--sizes", "224",
                          "--repeats", str(REPEATS), "--min-seconds", "0.05", out=out, ranks=None, timeout=300)
 
 

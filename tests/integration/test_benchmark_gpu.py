@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("gpu")
-    return run_benchmark("gpu.py", "--model", "tiny", "--profiles", "zero2", "zero3", "--ac", "on",
+    return run_benchmark("gpu", "--model", "tiny", "--profiles", "zero2", "zero3", "--ac", "on",
                          "--warmup", "1", "--seconds", "0.5", "--max-steps", "2", out=tmp / "gpu_tiny.json",
                          ranks=None, timeout=400)
 
@@ -69,7 +69,7 @@ def test_flops_per_sample_match_torch_flop_counter(report):
 def loader_report(tmp_path_factory) -> dict:
     """The data-path mode: a tensor case and its loader twin reading 64 JPEGs through one worker."""
     tmp = tmp_path_factory.mktemp("gpu_loader")
-    return run_benchmark("gpu.py", "--model", "tiny", "--profiles", "zero2", "--ac", "off", "--data", "tensor", "loader",
+    return run_benchmark("gpu", "--model", "tiny", "--profiles", "zero2", "--ac", "off", "--data", "tensor", "loader",
                          "--data-images", "64", "--data-px", "64", "--loader-workers", "1", "--warmup", "1",
                          "--seconds", "0.5", "--max-steps", "2", out=tmp / "gpu_tiny_loader.json", ranks=None,
                          timeout=400)

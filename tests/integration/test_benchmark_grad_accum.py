@@ -1,4 +1,4 @@
-"""benchmarks/grad_accum.py on 2 CPU ranks: bf16 gradient accumulation in bf16 and fp32 against
+"""benchmarks/precision/grad_accum.py on 2 CPU ranks: bf16 gradient accumulation in bf16 and fp32 against
 the fp32 big-batch gradient, and what bf16.grad_accum_dtype puts into the engine.
 
 One launch (~1 minute: 20 engine builds of the `tiny` preset) runs one optimizer step of
@@ -26,7 +26,7 @@ BOUND = 0.015   # parity bound of the default at k = 8: relative L2 error of the
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("bench_grad_accum")
-    return run_benchmark("grad_accum.py", "--k", "8", "--micro", "4", out=tmp / "grad_accum.json", ranks=2,
+    return run_benchmark("precision.grad_accum", "--k", "8", "--micro", "4", out=tmp / "grad_accum.json", ranks=2,
                          timeout=300)
 
 

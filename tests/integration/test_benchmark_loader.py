@@ -1,4 +1,4 @@
-"""benchmarks/loader.py at a tiny size (~15 s): it runs by path, measures both worker counts
+"""benchmarks/data/loader.py at a tiny size (~15 s): it runs by path, measures both worker counts
 against the bare loops in alternation, splits a sample's time by stage, and writes the JSON the
 docs quote. The rates are timing, so the assertions are floors that only a gross regression
 breaks; the cores-per-GPU arithmetic and the stage split's consistency are checked exactly."""
@@ -17,7 +17,7 @@ LOOPS = ("bare_pil", "bare_fast", "loader", "loader_pil", "bare_tensor")
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("loader") / "loader.json"
-    return run_benchmark("loader.py", "--num-images", "64", "--shard-size", "16", "--micro", "8", "--samples", "64",
+    return run_benchmark("data.loader", "--num-images", "64", "--shard-size", "16", "--micro", "8", "--samples", "64",
                          "--repeats", str(REPEATS), "--workers", "1", "2", "--image-sizes", "224",
                          out=out, ranks=None, timeout=300)
 

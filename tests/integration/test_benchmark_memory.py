@@ -1,10 +1,10 @@
-"""benchmarks/memory.py on the tiny preset, 2 CPU ranks, fp32, launched the way users launch it.
+"""benchmarks/memory/per_rank.py on the tiny preset, 2 CPU ranks, fp32, launched the way users launch it.
 
 One launch (~20 s on 2 idle cores: five engine builds) counts, per ds_profiles/*.json, the bytes
 each rank's engine holds. The tests compare those measured bytes with numbers computed here from
 the parameter count Ψ of the model (counted by this test, not taken from the report): the
 textbook ZeRO layout per role (fp32 weights 4 bytes, Adam's fp32 master + m + v 12 bytes per
-parameter, partitioned over W ranks where the stage says so), `rsclip_ds.memory.model_state_bytes`
+parameter, partitioned over W ranks where the stage says so), `rsclip_ds.planning.memory.model_state_bytes`
 for the totals, and `activation_bytes_per_sample` for the saved activations.
 
 A second launch (~20 s) runs the same with `--set finetune.lock_image=true`: the image tower is
@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rsclip_ds import memory
+from rsclip_ds.planning import memory
 from rsclip_ds.config import FinetuneConfig
 from rsclip_ds.model import new_dual_encoder, preset_config
 from rsclip_ds.profiles import load_profile, runnable_profiles
@@ -39,7 +39,7 @@ PROFILES = runnable_profiles(on_gpu=False)   # every profile CPU ranks can run (
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("bench")
-    return run_benchmark("memory.py", "--preset", "tiny", "--precision", "fp32", "--steps", "2",
+    return run_benchmark("memory.per_rank", "--preset", "tiny", "--precision", "fp32", "--steps", "2",
                          "--micro", str(MICRO), out=tmp / "memory.json", ranks=W, timeout=240)
 
 
@@ -116,7 +116,7 @@ LOCK = "finetune.lock_image=true"
 @pytest.fixture(scope="module")
 def lock_report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("bench_lock")
-    return run_benchmark("memory.py", "--preset", "tiny", "--precision", "fp32", "--steps", "2",
+    return run_benchmark("memory.per_rank", "--preset", "tiny", "--precision", "fp32", "--steps", "2",
                          "--micro", str(MICRO), "--set", LOCK, out=tmp / "memory_lock_image.json", ranks=W,
                          timeout=240)
 
@@ -203,7 +203,7 @@ NO_OFFLOAD = ("zero1", "zero2", "zero3")   # the offload profiles need DeepSpeed
 @pytest.fixture(scope="module")
 def masters_report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("bench_masters")
-    return run_benchmark("memory.py", "--preset", "tiny", "--precision", "bf16", "--steps", "2",
+    return run_benchmark("memory.per_rank", "--preset", "tiny", "--precision", "bf16", "--steps", "2",
                          "--micro", str(MICRO), "--set", MASTERS, "--profiles", *NO_OFFLOAD,
                          out=tmp / "memory_bf16_masters.json", ranks=W, timeout=240)
 
@@ -230,7 +230,7 @@ def test_bf16_masters_match_the_memory_model(masters_report, psi, profile):
 @pytest.fixture(scope="module")
 def build_report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("build_rss")
-    return run_benchmark("memory.py", "--build-rss", "--preset", "tiny", "--precision", "fp32",
+    return run_benchmark("memory.per_rank", "--build-rss", "--preset", "tiny", "--precision", "fp32",
                          "--mmap-threshold", "default", "--ranks", str(W), out=tmp / "build_rss.json", ranks=None,
                          timeout=300)
 

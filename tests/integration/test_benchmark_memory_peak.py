@@ -1,8 +1,8 @@
-"""The peak memory per rank at real scale: benchmarks/memory.py on git-rsclip-base (203M
+"""The peak memory per rank at real scale: benchmarks/memory/per_rank.py on git-rsclip-base (203M
 parameters), 2 CPU ranks, fp32, micro 2, accumulation 4, for ZeRO-1 (which holds the full
 gradients between micro-steps when it accumulates) and ZeRO-3 (which keeps its prefetched
 parameters gathered from forward to backward): the measured peak of the second optimizer step
-(the resident set's high-water mark, benchmarks/memory_peak.py) within 15% of `memory.peak`,
+(the resident set's high-water mark, benchmarks/memory/peak.py) within 15% of `memory.peak`,
 evaluated here from the test's own batch bytes. ~2-3 minutes on 2 idle cores (four engine builds
 of the 203M model), ~4 GiB per rank."""
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from rsclip_ds import memory
+from rsclip_ds.planning import memory
 from rsclip_ds.profiles import load_profile
 from tests.integration.benchmark_helpers import run_benchmark
 
@@ -21,7 +21,7 @@ W, MICRO, K, PRESET = 2, 2, 4, "git-rsclip-base"
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("peak")
-    return run_benchmark("memory.py", "--preset", PRESET, "--precision", "fp32", "--steps", "1", "--micro", str(MICRO),
+    return run_benchmark("memory.per_rank", "--preset", PRESET, "--precision", "fp32", "--steps", "1", "--micro", str(MICRO),
                          "--profiles", "zero1", "zero3", "--accumulation", str(K), out=tmp / "peak.json", ranks=W,
                          timeout=900)
 

@@ -1,9 +1,9 @@
-"""benchmarks/throughput.py --open-clip VENV --tiny: open_clip's own trainer against `rsclip-ds
+"""benchmarks/throughput/compare.py --open-clip VENV --tiny: open_clip's own trainer against `rsclip-ds
 train`, every case once, on a tiny SigLIP shape (~90 s on 2 idle cores: 7 launches of 8 steps);
 and benchmarks/gpu.py --open-clip's one-rank comparison on the CPU (~40 s).
 
 The launches need open_clip's environment, which this repository does not install (its trainer
-pins webdataset<=0.2.86): `bash benchmarks/openclip_env.sh runs/openclip-venv` (or set
+pins webdataset<=0.2.86): `bash benchmarks/throughput/openclip_env.sh runs/openclip-venv` (or set
 RSCLIP_OPENCLIP_VENV to one made elsewhere); those tests are skipped without it. No timing
 assertions (the machine is shared); the assertions are on what each run did, as each tool
 logged it, and on what the driver derived from the logs. The first tests need no environment:
@@ -12,21 +12,20 @@ the log parsers on lines both tools wrote, and the rate arithmetic on known step
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import random
-import sys
 
 import pytest
 
 from tests.integration.benchmark_helpers import run_benchmark
 from tests.integration.helpers import ROOT
+from tests.unit.benchmark_modules import import_benchmark
 
 VENV = os.environ.get("RSCLIP_OPENCLIP_VENV", str(ROOT / "runs" / "openclip-venv"))
 needs_venv = pytest.mark.skipif(
     not os.path.isfile(os.path.join(VENV, "bin", "python")),
-    reason=f"no open_clip environment at {VENV}: create it with `bash benchmarks/openclip_env.sh {VENV}` "
+    reason=f"no open_clip environment at {VENV}: create it with `bash benchmarks/throughput/openclip_env.sh {VENV}` "
            f"(or point RSCLIP_OPENCLIP_VENV at one)")
 
 
@@ -38,12 +37,7 @@ def launches(test):
 
 @pytest.fixture(scope="module")
 def driver():
-    bench = str(ROOT / "benchmarks")
-    sys.path.insert(0, bench)   # the scripts import `harness` as their sibling
-    try:
-        yield importlib.import_module("throughput_openclip")
-    finally:
-        sys.path.remove(bench)
+    yield from import_benchmark("throughput.openclip")
 
 
 OPENCLIP_LINE = ("2026-12-01,12:02:41 | INFO | Train Epoch: 0 [ 64/384 (17%)] Data (t): 0.002 Batch (t): 0.868, "
@@ -113,7 +107,7 @@ def siglip_parameters(width: int, depth: int, mlp: int, patch: int, image: int, 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("openclip")
-    return run_benchmark("throughput.py", "--open-clip", VENV, "--tiny", "--data", str(tmp / "data"),
+    return run_benchmark("throughput.compare", "--open-clip", VENV, "--tiny", "--data", str(tmp / "data"),
                          "--work", str(tmp / "work"), out=tmp / "throughput_openclip.json", ranks=None, timeout=420)
 
 
@@ -185,7 +179,7 @@ def test_ratios_are_paired_within_each_repeat(report):
 def gpu_report(tmp_path_factory) -> dict:
     """benchmarks/gpu.py --open-clip on CPU with the tiny shape: its one-rank comparison (~40 s)."""
     tmp = tmp_path_factory.mktemp("openclip_gpu")
-    return run_benchmark("gpu.py", "--open-clip", VENV, "--model", "tiny", "--openclip-steps", "8",
+    return run_benchmark("gpu", "--open-clip", VENV, "--model", "tiny", "--openclip-steps", "8",
                          "--loader-workers", "1", out=tmp / "gpu_openclip.json", ranks=None, timeout=300)
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/pure_bf16.py --tiny on 2 CPU ranks (~30 s: three Trainer runs of 6 steps of the tiny
+"""benchmarks/precision/pure_bf16.py --tiny on 2 CPU ranks (~30 s: three Trainer runs of 6 steps of the tiny
 preset, each evaluated at step 0 and 6): the report has every mode with finite numbers, each mode
 ran the precision and master dtype it names, and only bf16 masters leave masters unmoved.
 The full run's numbers are in docs/precision.md."""
@@ -18,7 +18,7 @@ MODES = {"fp32": ("fp32", "float32"), "bf16": ("bf16", "float32"), "bf16_masters
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("bench_pure_bf16")
-    return run_benchmark("pure_bf16.py", "--tiny", "--data", str(tmp / "data"), out=tmp / "pure_bf16.json",
+    return run_benchmark("precision.pure_bf16", "--tiny", "--data", str(tmp / "data"), out=tmp / "pure_bf16.json",
                          ranks=2, timeout=240)
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/throughput.py --tiny on 2 CPU ranks, launched the way users launch it.
+"""benchmarks/throughput/compare.py --tiny on 2 CPU ranks, launched the way users launch it.
 
 One launch (under a minute on 2 idle cores: four loops, each with its own engine, loader and
 workers, then the loader alone, the checkpointed run, three profiled runs and two quality runs).
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("bench")
-    return run_benchmark("throughput.py", "--tiny", "--data", str(tmp / "data"), out=tmp / "throughput.json",
+    return run_benchmark("throughput.compare", "--tiny", "--data", str(tmp / "data"), out=tmp / "throughput.json",
                          timeout=420)
 
 

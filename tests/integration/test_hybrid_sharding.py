@@ -9,7 +9,7 @@ DeepSpeed built: hpZ partition groups of 2 ranks (one node) and a secondary shar
 parameter, so the comparison is not of zero3 with itself.
 
 Profiles that need CUDA kernels (qwZ/qgZ in zero3_zeropp) are skipped here with the reason; they
-are checked on GPUs by benchmarks/multigpu_hybrid.sh. ~2.5 minutes on 2 cores.
+are checked on GPUs by benchmarks/comms/multigpu_hybrid.sh. ~2.5 minutes on 2 cores.
 """
 
 from __future__ import annotations

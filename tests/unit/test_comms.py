@@ -1,16 +1,16 @@
-"""rsclip_ds.comms against hand arithmetic on a small case.
+"""rsclip_ds.planning.comms against hand arithmetic on a small case.
 
 Ψ = 1000 parameters of which Ψ_t = 600 train, G = 4 ranks, k = 3 micro-batches, bf16 (2 bytes a
 weight, 2 a gradient on the wire). The numbers below are worked out by hand from what DeepSpeed
-0.19.8 sends (the module docstring; benchmarks/comms.py checks them against its comms logger).
+0.19.8 sends (the module docstring; benchmarks/comms/traffic.py checks them against its comms logger).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from rsclip_ds import comms
-from rsclip_ds.comms import LossTraffic, by_collective, comm_seconds, persistent_elements, step_traffic
+from rsclip_ds.planning import comms
+from rsclip_ds.planning.comms import LossTraffic, by_collective, comm_seconds, persistent_elements, step_traffic
 
 PSI, PSI_T, G, K = 1000, 600, 4, 3
 

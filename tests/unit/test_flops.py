@@ -1,4 +1,4 @@
-"""rsclip_ds.flops against a hand count and against torch.utils.flop_counter on real towers."""
+"""rsclip_ds.planning.flops against a hand count and against torch.utils.flop_counter on real towers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from rsclip_ds.flops import encoder_layer_flops, flops_per_sample, mfu, text_flops, vision_flops
+from rsclip_ds.planning.flops import encoder_layer_flops, flops_per_sample, mfu, text_flops, vision_flops
 from rsclip_ds.model import new_dual_encoder, preset_config
 
 

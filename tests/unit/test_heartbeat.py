@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from rsclip_ds.heartbeat import Heartbeat
+from rsclip_ds.runtime.heartbeat import Heartbeat
 
 
 class Counting:

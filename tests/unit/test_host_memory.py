@@ -11,7 +11,7 @@ import pytest
 
 PROBE = r"""
 import json, resource, sys, torch
-from rsclip_ds.host_memory import keep_freed_memory
+from rsclip_ds.runtime.host_memory import keep_freed_memory
 kept = keep_freed_memory() if sys.argv[1] == "keep" else None
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -13,9 +13,9 @@ import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-from rsclip_ds.memory import (GiB, _probe, activation_bytes_per_sample, logits_bytes, model_state_bytes, peak, preset_spec,
+from rsclip_ds.planning.memory import (GiB, _probe, activation_bytes_per_sample, logits_bytes, model_state_bytes, peak, preset_spec,
                               saved_bytes, scaled_spec)
-from rsclip_ds.planner import Budget, Hardware, plan, recommend, step_seconds
+from rsclip_ds.planning.planner import Budget, Hardware, plan, recommend, step_seconds
 from rsclip_ds.profiles import PROFILE_DIR, Profile, available_profiles, load_profile
 from rsclip_ds.config import ConfigError
 from rsclip_ds.model import new_dual_encoder, preset_config
@@ -50,7 +50,7 @@ def test_zero3_agrees_with_deepspeed_where_comparable(gpus):
     assert s.gpu + 4 * LAYER == pytest.approx(ds_gpu, rel=0.01)
     if gpus <= 4:   # beyond, our CPU peak is the fp32 model every rank builds first (4Ψ per rank)
         # + the flat 16-bit gradient partition DeepSpeed's estimator leaves out (2Ψ per node,
-        # measured by benchmarks/memory.py as grad_partitions_flat_buffer)
+        # measured by benchmarks/memory/per_rank.py as grad_partitions_flat_buffer)
         assert s.cpu_node - ds_cpu / 1.5 == pytest.approx(2 * PSI, rel=0.01)
     # parameter + optimizer offload: nothing persistent on the GPU, 18Ψ per node
     s = model_state_bytes(PSI, 3, True, True, "bf16", gpus, gpus)
@@ -65,7 +65,7 @@ def test_zero3_agrees_with_deepspeed_where_comparable(gpus):
 
 
 def test_fp32_keeps_a_master_copy_like_deepspeed_and_zero1_shards_gradients():
-    """DeepSpeed 0.19.8 behaviour measured by benchmarks/memory.py: an fp32 master partition
+    """DeepSpeed 0.19.8 behaviour measured by benchmarks/memory/per_rank.py: an fp32 master partition
     even in fp32 (20 bytes/param), and ZeRO-1 keeping only its gradient partition."""
     assert model_state_bytes(10**9, 3, False, False, "fp32", 4, 4).gpu == 20 * 10**9 // 4
     z1 = model_state_bytes(10**9, 1, False, False, "bf16", 4, 4)
@@ -212,7 +212,7 @@ def test_plan_json_and_written_config(tmp_path, capsys):
 
 def test_the_planner_counts_what_trains_under_locks_and_lora():
     from rsclip_ds.config import FinetuneConfig, LoraConfig
-    from rsclip_ds.memory import preset_spec
+    from rsclip_ds.planning.memory import preset_spec
 
     full = preset_spec("git-rsclip-large")
     locked = preset_spec("git-rsclip-large", FinetuneConfig(lock_image=True))

@@ -1,6 +1,6 @@
 """The memory model with bf16 master weights (bf16.master_weights=bf16): 2 + 2 + 6 bytes per
 trainable parameter where mixed precision holds 2 + 2 + 12. The numbers were measured on 2 CPU
-ranks by benchmarks/memory.py --precision bf16 --set bf16.master_weights=bf16 (the slow test is
+ranks by benchmarks/memory/per_rank.py --precision bf16 --set bf16.master_weights=bf16 (the slow test is
 tests/integration/test_benchmark_memory.py)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 from rsclip_ds.cli.plan import register as add_plan_parser
 from rsclip_ds.cli.plan import run as cmd_plan
 from rsclip_ds.config import ConfigError, load_config
-from rsclip_ds.memory import model_state_bytes, peak, preset_spec, state_bytes
-from rsclip_ds.planner import Budget, plan
+from rsclip_ds.planning.memory import model_state_bytes, peak, preset_spec, state_bytes
+from rsclip_ds.planning.planner import Budget, plan
 from rsclip_ds.profiles import build_ds_config, load_profile
 
 PSI = 10**9

@@ -11,11 +11,11 @@ import math
 
 import pytest
 
-from rsclip_ds import comms
+from rsclip_ds.planning import comms
 from rsclip_ds.cli.plan import register as add_plan_parser
 from rsclip_ds.cli.plan import run as cmd_plan
-from rsclip_ds.memory import model_state_bytes, peak, preset_spec, quantisation_buffers
-from rsclip_ds.planner import HYBRID, Budget, Hardware, candidacy, hybrid_profile, plan, recommend
+from rsclip_ds.planning.memory import model_state_bytes, peak, preset_spec, quantisation_buffers
+from rsclip_ds.planning.planner import HYBRID, Budget, Hardware, candidacy, hybrid_profile, plan, recommend
 from rsclip_ds.profiles import load_profile
 
 PSI = 652_150_786

@@ -1,4 +1,4 @@
-"""benchmarks/scaling.py's arithmetic: one row of the table recomputed by hand.
+"""benchmarks/comms/scaling.py's arithmetic: one row of the table recomputed by hand.
 
 git-rsclip-large, 64 nodes x 8 H200 on 100 Gb/s Ethernet (one NIC per node: 11.25 GB/s achieved,
 1.41 GB/s per GPU), ZeRO-3, global batch 32768 = 64 per GPU in one micro-batch (no checkpointing:
@@ -11,15 +11,15 @@ import math
 
 import pytest
 
-from rsclip_ds.flops import flops_per_sample
-from rsclip_ds.memory import preset_spec
+from rsclip_ds.planning.flops import flops_per_sample
+from rsclip_ds.planning.memory import preset_spec
 from rsclip_ds.model import preset_config
 from tests.unit.benchmark_modules import import_benchmark
 
 
 @pytest.fixture(scope="module")
 def scaling():
-    yield from import_benchmark("scaling")
+    yield from import_benchmark("comms.scaling")
 
 
 def test_one_row_by_hand(scaling):

@@ -1,4 +1,4 @@
-"""Storage the ranks must agree on (rsclip_ds/storage.py): the shared-output check names the
+"""Storage the ranks must agree on (rsclip_ds/runtime/storage.py): the shared-output check names the
 ranks that cannot see rank 0's files, the resume decision is rank 0's on every rank (errors
 included), and a file system that cannot fsync a folder does not stop a save."""
 
@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from rsclip_ds import storage
+from rsclip_ds.runtime import storage
 from rsclip_ds.checkpoint import POINTER, _atomic_write, resume_tag
 from rsclip_ds.config import ConfigError
 from tests.unit.forked_ranks import run_ranks

@@ -1,0 +1,500 @@
+"""The memory model: pure functions, bytes per GPU and per node (the planner is planner.py).
+
+A rank's peak is its model states plus the larger of two phases (`Peak`, `peak`):
+
+    forward/backward  activations of one micro-batch + the loss's logits + the micro-batch itself
+                      + gradients alive beside the states + DeepSpeed's reduce buckets
+                      + ZeRO-3's gathered parameters
+    step              the gradient partition's copies and the optimizer's temporaries
+    allocated = states + max(forward/backward, step)      (torch.cuda.max_memory_allocated)
+    reserved  = allocated + FRAGMENTATION x the larger phase + RESERVE   (what must fit)
+
+Model states, Ψ parameters (Ψ_t of them trainable), G = gpus in all, n = gpus per node; bytes per
+parameter are p (weights) g (gradients) k (optimizer: fp32 master + Adam m, v): mixed precision
+2 + 2 + 12, fp32 4 + 4 + 12 (DeepSpeed keeps an fp32 master partition in fp32 too), bf16 masters
+(`master="bf16"`, bf16.master_weights=bf16) 2 + 2 + 6 (a bf16 master partition and bf16 m, v). Per GPU
+(DeepSpeed's `estimate_zero{2,3}_model_states_mem_needs`, corrected by what benchmarks/memory/per_rank.py
+measures in 0.19.8):
+    ZeRO-1 = ZeRO-2  pΨ + (g+k)Ψ_t/G (the gradient partition, alive from backward to the step)
+    ZeRO-3  pΨ/G + (g+k)Ψ_t/G
+    ZeRO-2 + optimizer offload  pΨ        ZeRO-3 + optimizer offload  pΨ/G     + param offload  0
+    ZeRO-3 + hpZ (group h): + pΨ/h, the secondary partition (alive from a parameter's first release
+    to the step); MiCS (group s): pΨ/s + (g+k)Ψ_t/s; ZeRO++: tens of MB (`quantisation_buffers`)
+With offload the CPU of a node holds (k + m)Ψ_t n/G (the master's gradient, m = 4 bytes for fp32
+masters, 2 for bf16, lives there too), at ZeRO-3 + gΨ_t n/G (a flat gradient partition), plus
+pΨ n/G with parameter offload.
+
+The transient terms, read from DeepSpeed 0.19.8 and measured on 2 CPU ranks with
+git-rsclip-base (benchmarks/memory/per_rank.py --peak; docs/benchmarks.md explains each term):
+  buckets    ZeRO-1/2: `torch.empty(reduce_bucket_size)` in the gradient dtype, two with
+             overlap_comm, allocated whole on a GPU at every step's first backward, plus the
+             gradients waiting to be copied into it (one bucket's worth). ZeRO-3: one reduce
+             bucket, allocated at start-up and kept (in both phases).
+  gradients  ZeRO-1 with accumulation > 1 reduces only at the boundary: every micro-step holds
+             the full gradients gΨ_t (instead of the partition).
+  gathered   ZeRO-3 (from the second step, once it has traced the module order) with prefetching
+             on (`stage3_prefetch_bucket_size` > 0) keeps every parameter it prefetched for a later
+             use gathered until that use: all of them, pΨ, from forward to backward, whatever
+             `stage3_max_reuse_distance` says (measured: 0 and 1e9 give the same peak). Without
+             prefetching a module's parameters are released after its forward unless used again
+             within the reuse distance (forward, then backward in reverse): about half of it
+             stays gathered at the turn, plus the layer at work.
+  step       ZeRO-1/2: a flat copy of the gradient partition, its fp32 cast (16-bit runs) and
+             the optimizer's temporaries (torch's AdamW: one partition-sized fp32 tensor per
+             step on a GPU (foreach), two on CPU (per tensor)); ZeRO-3: the same per sub-group.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+import torch
+
+from rsclip_ds.planning.comms import hybrid_settings
+
+GiB = 2**30
+# Allocator fragmentation, on the bytes that churn (activations, buckets, gathered layers,
+# transient gradients). The flat ZeRO buffers are allocated once at start-up and do not fragment.
+FRAGMENTATION = 0.10
+# Per GPU, outside PyTorch's allocated bytes: the CUDA context and kernels (~0.5 GiB with torch
+# 2.x on H100/H200-class GPUs), NCCL's communicators and buffers (~0.3-0.5 GiB), cuBLAS workspaces.
+RESERVE = GiB
+# ZeRO-3's stage3_param_persistence_threshold in DeepSpeed and in our profiles: smaller parameters
+# stay gathered on every rank
+PERSISTENCE_THRESHOLD = 100_000
+# torch's AdamW temporaries of the size of one (flat) partition: foreach on a GPU, per tensor on CPU
+ADAM_TEMPORARIES = {"cuda": 1, "cpu": 2}
+# p, g, k per parameter. DeepSpeed 0.19.8 keeps an fp32 master partition even in fp32
+# (`single_partition_of_fp32_groups`, `fp32_partitioned_groups_flat`), so k = 4 + 8 always
+# (measured by benchmarks/memory/per_rank.py).
+BYTES = {"fp32": (4, 4, 12), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Bytes per element of the master weights, of their gradient in the step and of AdamW's m and v, by
+# bf16.master_weights. 'bf16' (bf16_master_weights_and_grads + bf16_optimizer_states), measured in
+# 0.19.8 (benchmarks/memory/per_rank.py --set bf16.master_weights=bf16): a bf16 master partition beside the
+# bf16 weights at every stage -- stage3.py's branch that would let the weight partition serve as
+# the master compares a torch.device with a string and never runs -- and bf16 m and v: k = 3 x 2.
+MASTER_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def state_bytes(precision: str, master: str = "fp32") -> tuple[int, int, int]:
+    """(p, g, k) bytes per parameter for a precision and a master dtype (module docstring)."""
+    if master == "fp32":
+        return BYTES[precision]
+    if precision != "bf16":
+        raise ValueError(f"master weights in {master} apply to bf16 training only, not {precision}")
+    p, g, _ = BYTES[precision]
+    return p, g, 3 * MASTER_BYTES[master]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    config_json: str       # the SiglipConfig, as JSON (hashable, for the probe's cache)
+    vision_params: int
+    text_params: int
+    largest_layer: int     # parameters of the largest module (its own, not its children's)
+    vision_tokens: int     # patches per image
+    text_tokens: int
+    embed_dim: int
+    trainable_vision: int = -1   # elements that train (locks, LoRA); -1: all
+    trainable_text: int = -1
+    finetune_json: str = "{}"    # the FinetuneConfig the counts were made with (for the probe)
+    small_params: int = 0        # elements in parameters of <= 1e5 (what ZeRO-3 keeps gathered)
+    layer_params: int = 0        # elements of the encoder layers' larger parameters (what ZeRO-3 re-gathers
+                                 # when checkpointing recomputes them)
+
+    @property
+    def params(self) -> int:
+        return self.vision_params + self.text_params + 2   # + logit scale and bias
+
+    @property
+    def trainable(self) -> int:
+        """Elements with gradients and optimizer states."""
+        if self.trainable_vision < 0:
+            return self.params
+        return self.trainable_vision + self.trainable_text + 2
+
+    def tower_trains(self, tower: str) -> float:
+        """The share of a tower's backward work: its trainable fraction (a locked tower runs
+        forward only; with its last N blocks unlocked, backward stops below them); a LoRA tower
+        back-propagates through all its activations but makes no weight gradients of its frozen
+        matrices: 1/2 (activation gradients are half of backward's 4 FLOPs per parameter)."""
+        ft = json.loads(self.finetune_json)
+        if tower in ft.get("lora", {}).get("towers", []):
+            return 0.5
+        if self.trainable_vision < 0:
+            return 1.0
+        trained, total = ((self.trainable_vision, self.vision_params) if tower == "vision"
+                          else (self.trainable_text, self.text_params))
+        return trained / total
+
+
+def _meta_model(config, finetune_json: str = "{}"):
+    """The dual encoder on the meta device, with the fine-tuning controls applied (a new image
+    size changes the config before; LoRA adds its adapters; locks set requires_grad)."""
+    from rsclip_ds.config import FinetuneConfig
+    from rsclip_ds.finetune import apply_lora, apply_trainability
+    from rsclip_ds.model import new_dual_encoder
+
+    finetune = FinetuneConfig.model_validate(json.loads(finetune_json))
+    with torch.device("meta"):
+        model = new_dual_encoder(config)
+        apply_lora(model, finetune.lora)
+    apply_trainability(model, finetune)
+    return model
+
+
+def model_spec(config, name: str = "custom", finetune=None) -> ModelSpec:
+    """Counts from a SiglipConfig, on the meta device (no memory, any size); ``finetune`` (a
+    FinetuneConfig) sets what trains and adds LoRA's parameters."""
+    if finetune is not None and finetune.image_size:
+        config = config.__class__.from_dict(config.to_dict())
+        config.vision_config.image_size = finetune.image_size
+    ft = finetune.model_dump_json() if finetune is not None else "{}"
+    m = _meta_model(config, ft)
+    largest = max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules())
+    vc, tc = config.vision_config, config.text_config
+
+    def count(module, trainable=False):
+        return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable)
+    small = sum(p.numel() for p in m.parameters() if p.numel() <= PERSISTENCE_THRESHOLD)
+    layers = sum(p.numel() for tower in (m.vision_model, m.text_model) for p in tower.encoder.layers.parameters()
+                 if p.numel() > PERSISTENCE_THRESHOLD)
+    return ModelSpec(name, config.to_json_string(use_diff=False), count(m.vision_model), count(m.text_model), largest,
+                     (vc.image_size // vc.patch_size) ** 2, tc.max_position_embeddings, vc.hidden_size,
+                     count(m.vision_model, True), count(m.text_model, True), ft, small, layers)
+
+
+def preset_spec(preset: str, finetune=None) -> ModelSpec:
+    from rsclip_ds.model import preset_config
+
+    return model_spec(preset_config(preset), preset, finetune)
+
+
+def scaled_spec(params: float) -> ModelSpec:
+    """A hypothetical model of ~`params`: git-rsclip-large's towers scaled in width (head dim 64)
+    and depth together (params ~ s^3), then the depth set to land on `params`."""
+    from transformers import SiglipConfig
+
+    from rsclip_ds.model import PRESETS
+
+    s = (params / 652e6) ** (1 / 3)
+    h = max(128, round(1024 * s / 128) * 128)
+
+    def config(layers):
+        shape = dict(hidden_size=h, intermediate_size=4 * h, num_hidden_layers=layers, num_attention_heads=h // 64)
+        return SiglipConfig(text_config={**PRESETS["git-rsclip-large"]["text"], **shape, "pad_token_id": 1,
+                                         "bos_token_id": None, "eos_token_id": 1},
+                            vision_config={**PRESETS["git-rsclip-large"]["vision"], **shape})
+
+    one, two = model_spec(config(1)).params, model_spec(config(2)).params
+    layers = max(1, round((params - one) / (two - one)) + 1)
+    return model_spec(config(layers), f"custom-{params:.3g}")
+
+
+# --------------------------------------------------------------------------- activations
+
+class _FlashLikeSDPA(torch.autograd.Function):
+    """Stands in for F.scaled_dot_product_attention in the probe: saves what flash attention
+    saves on a GPU (q, k, v, out, fp32 logsumexp), not the (N, N) probabilities that the meta
+    device's math fallback would save. Forward only (shapes), never differentiated."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        b, h, n, _ = q.shape   # laid out (B, N, H, Dv) as the kernels do, so the caller's
+        out = torch.empty(b, n, h, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)  # transpose+contiguous is free
+        ctx.save_for_backward(q, k, v, out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("the activation probe is forward-only")
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return _FlashLikeSDPA.apply(query, key, value)
+
+
+def saved_bytes(fn, exclude=()) -> int:
+    """Bytes of distinct storages autograd saves for backward while `fn()` runs (parameters,
+    and views of them, excluded). Works on the meta device, where storages have no data."""
+    skip = {t.untyped_storage()._cdata for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        key = t.untyped_storage()._cdata
+        if key not in skip:
+            seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@lru_cache(maxsize=None)
+def _probe(config_json: str, precision: str, checkpointing: bool, samples: int,
+           finetune_json: str = "{}", zero3: bool = False) -> tuple[int, int]:
+    from unittest import mock
+
+    from transformers import SiglipConfig
+
+    from rsclip_ds.finetune import keep_checkpointed_inputs_differentiable
+    from rsclip_ds.model import apply_activation_checkpointing
+
+    config = SiglipConfig.from_dict(json.loads(config_json))
+    model = _meta_model(config, finetune_json).to(DTYPES[precision]).train()
+    if checkpointing:
+        if finetune_json != "{}":
+            keep_checkpointed_inputs_differentiable(model)
+        apply_activation_checkpointing(model)
+    vc, tc = config.vision_config, config.text_config
+    with torch.device("meta"):
+        pixels = torch.empty(samples, 3, vc.image_size, vc.image_size, dtype=DTYPES[precision])
+        ids = torch.zeros(samples, tc.max_position_embeddings, dtype=torch.long)
+    params = list(model.parameters())
+    linear = torch.nn.functional.linear
+    if zero3:   # what a ZeRO-3 engine puts in place of F.linear (memory_efficient_linear, on by default)
+        from deepspeed.runtime.zero.linear import zero3_linear_wrap as linear
+    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _sdpa), \
+            mock.patch.object(torch.nn.functional, "linear", linear):
+        vision = saved_bytes(lambda: model.vision_model(pixel_values=pixels), params)
+        text = saved_bytes(lambda: model.text_model(input_ids=ids), params)
+    return vision, text
+
+
+def activation_bytes_per_sample(config, precision: str = "bf16", checkpointing: bool = False,
+                                finetune_json: str = "{}", zero3: bool = False) -> dict:
+    """Measured bytes per sample saved for backward by each tower (SiglipConfig or preset name).
+
+    A forward of 2 samples on the meta device (real shapes, no memory) under
+    `saved_tensors_hooks`, halved. With checkpointing, the saved layer inputs plus one layer's
+    activations, alive while backward recomputes it: (full - checkpointed) / layers. With the
+    fine-tuning controls applied (``finetune_json``): a locked tower saves (almost) nothing.
+    ``zero3``: with ZeRO-3's linear, which saves its input also for frozen weights (it matters
+    for LoRA towers and partly locked ones; with everything trainable the bytes are the same)."""
+    if isinstance(config, str):
+        from rsclip_ds.model import preset_config
+
+        config = preset_config(config)
+    cj = config.to_json_string()
+    full = _probe(cj, precision, False, 2, finetune_json, zero3)
+    if not checkpointing:
+        return {"vision": full[0] // 2, "text": full[1] // 2}
+    ckpt = _probe(cj, precision, True, 2, finetune_json, zero3)
+    layers = (config.vision_config.num_hidden_layers, config.text_config.num_hidden_layers)
+    # backward recomputes one layer at a time, of one tower: only the larger layer counts
+    layer = [max(0, f - c) // n for f, c, n in zip(full, ckpt, layers)]
+    top = 0 if layer[0] >= layer[1] else 1
+    return {tower: (ckpt[i] + (layer[i] if i == top else 0)) // 2
+            for i, tower in enumerate(("vision", "text"))}
+
+
+def logits_bytes(loss: str, rows: int, cols: int) -> int:
+    """Bytes the loss saves for backward for `rows` local samples against `cols` candidates, as
+    fp32 (rows, cols) tensors counted with saved_tensors_hooks under torch 2.13: siglip keeps the
+    logits, label*logits and logsigmoid's two buffers (4); clip with global negatives two
+    (rows, cols) logits and their log-softmax outputs (4; the local form shares one logits
+    matrix: 2, counted as 4 here). The ring form saves every arriving (B_local, B_local) block,
+    so it is (B_local, B_global) as well."""
+    return {"siglip": 4, "clip": 4}[loss] * 4 * rows * cols
+
+
+# --------------------------------------------------------------------------- model states
+
+@dataclass(frozen=True)
+class StateBytes:
+    gpu: int            # per GPU, held through the step (ZeRO-1/2: with the gradient partition)
+    cpu_node: int       # per node: offloaded states, or the fp32 model every rank builds first
+
+
+def model_state_bytes(params: int, stage: int, offload_optimizer: bool, offload_param: bool, precision: str,
+                      gpus: int, gpus_per_node: int, trainable: int | None = None, master: str = "fp32",
+                      hpz: int = 1, shard: int = 0) -> StateBytes:
+    """Model states of one rank (formulas in the module docstring). ``trainable``: elements with
+    gradients and optimizer states (locked towers and LoRA's frozen weights have neither); the
+    weights' p bytes count for all ``params``. ``master``: bf16.master_weights. ZeRO-3: ``hpz``, ``shard``: hpZ's and MiCS's groups (1, 0: off)."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"ZeRO stage {stage} is not modelled (1, 2 or 3)")
+    if stage < 3 and (hpz > 1 or shard):
+        raise ValueError("hpZ and MiCS are ZeRO-3 options")
+    p, g, k = state_bytes(precision, master)
+    m = MASTER_BYTES[master]                              # the master's gradient in the step
+    psi, G, n = params, shard or gpus, gpus_per_node
+    t = psi if trainable is None else trainable            # Ψ_t: what has gradients and states
+    part, tpart = math.ceil(psi / G), math.ceil(t / G)
+    cpu = 4 * psi * n                                     # every rank builds the fp32 model on CPU
+    if stage < 3:
+        # ZeRO-1 in DeepSpeed 0.19.8 shares ZeRO-2's optimizer and, at the boundary, also keeps
+        # only its gradient partition (`averaged_gradients`).
+        gpu = p * psi + (g + k) * tpart
+        if offload_optimizer:
+            gpu, cpu = p * psi, max(cpu, (k + m) * tpart * n)
+        return StateBytes(gpu, cpu)
+    gpu = p * part + (g + k) * tpart + (p * math.ceil(psi / hpz) if hpz > 1 else 0)
+    if offload_optimizer:
+        gpu = p * part
+        # + the flat gradient partition (`grad_partitions_flat_buffer`) next to the fp32 one
+        cpu = max(cpu, (k + m + g) * tpart * n + (p * part * n if offload_param else 0))
+    if offload_param:
+        gpu = 0
+    return StateBytes(gpu, cpu)
+
+
+# --------------------------------------------------------------------------- the peak
+
+@dataclass(frozen=True)
+class Peak:
+    """One rank's peak by term (module docstring), bytes. On CPU ranks (``device="cpu"``) the
+    offloaded states and the CPU optimizer's temporaries share the memory: ``host``."""
+    states: int         # held throughout (StateBytes.gpu)
+    activations: int    # saved for backward by one micro-batch (or the loss alone, if larger)
+    loss: int           # the loss's saved logits, beside the activations ('plain' accumulation)
+    inputs: int         # the micro-batch on the device
+    gradients: int      # beside the states in forward/backward
+    buckets: int        # reduce buckets (+ ZeRO-3's prefetch)
+    gathered: int       # ZeRO-3: gathered parameters alive at the turn of forward to backward
+    step: int           # transient in step() on the accelerator
+    host_states: int    # offloaded states of this rank (StateBytes.cpu_node / gpus per node)
+    host_step: int      # the CPU optimizer's temporaries (offload)
+    reserve: int        # CUDA context, NCCL (0 on CPU ranks)
+
+    @property
+    def train(self) -> int:
+        return self.activations + self.loss + self.inputs + self.gradients + self.buckets + self.gathered
+
+    @property
+    def phase(self) -> str:
+        return "step" if self.step > self.train else "forward/backward"
+
+    @property
+    def allocated(self) -> int:
+        """What torch.cuda.max_memory_allocated would report."""
+        return self.states + max(self.train, self.step)
+
+    @property
+    def reserved(self) -> int:
+        """What must fit in the GPU: allocated + the allocator's headroom + the reserve."""
+        return int(self.allocated + FRAGMENTATION * max(self.train, self.step)) + self.reserve
+
+    @property
+    def host(self) -> int:
+        """On CPU ranks, where the offloaded states live in the same memory: the whole peak."""
+        return self.allocated + self.host_states + self.host_step
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "train": self.train, "phase": self.phase, "allocated": self.allocated,
+                "reserved": self.reserved, "host": self.host}
+
+
+def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int, *, micro: int,
+         accumulation_steps: int = 1, checkpointing: bool = False, loss: str = "siglip",
+         negatives: str = "global", accumulation: str = "global", device: str = "cuda",
+         input_bytes: int | None = None, grad_accum: str = "auto", master: str = "fp32") -> Peak:
+    """The peak of one rank (module docstring) for a ``profile`` (profiles.Profile: its stage,
+    offload and zero_optimization block; DeepSpeed's defaults where it is silent) at ``micro``
+    samples per micro-batch and ``accumulation_steps`` micro-batches per step. ``device="cpu"``:
+    CPU ranks, where a buffer's untouched pages cost nothing and torch's AdamW makes two
+    temporaries. ``input_bytes``: bytes per sample of the batch on the device (default: uint8
+    pixels and int64 token ids, what the loader sends). ``grad_accum``, ``master``: the run's
+    bf16.grad_accum_dtype and bf16.master_weights."""
+    stage, zero = profile.stage, profile.strategy.get("zero_optimization", {})
+    p, g, _ = state_bytes(precision, master)
+    mg = MASTER_BYTES[master]
+    psi, t, G = spec.params, spec.trainable, gpus
+    h = hybrid_settings(zero, gpus_per_node, G)          # hpZ's and MiCS's groups (0: off)
+    tpart = math.ceil(t / (h["mics"] or G))              # the partition: MiCS shards over its group
+    states = model_state_bytes(psi, stage, profile.offload_optimizer, profile.offload_param, precision, G,
+                               gpus_per_node, trainable=t, master=master, hpz=h["hpz"] or 1, shard=h["mics"])
+    # forward/backward: activations, the loss, the batch
+    act = sum(activation_bytes_per_sample(_config(spec), precision, checkpointing, spec.finetune_json,
+                                          stage == 3 and spec.trainable < spec.params).values()) * micro
+    per_rank = micro * accumulation_steps
+    cols = G if negatives == "global" else 1
+    if accumulation == "global" and accumulation_steps > 1:   # the loss runs alone over the cached features
+        act, logits = max(act, logits_bytes(loss, per_rank, per_rank * cols)), 0
+    else:
+        logits = logits_bytes(loss, micro, micro * cols)
+    if input_bytes is None:
+        config = _config(spec)
+        input_bytes = 3 * config.vision_config.image_size ** 2 + 8 * config.text_config.max_position_embeddings
+    inputs = input_bytes * micro
+    # DeepSpeed's buffers
+    bucket = int(zero.get("reduce_bucket_size", 5e8))
+    buffers = 2 if zero.get("overlap_comm", stage == 3) else 1
+    # a GPU allocates the bucket whole; on CPU only the pages written cost (the gradients fill it)
+    touched = buffers * bucket if device == "cuda" else min(buffers * bucket, t)
+    awaiting = min(bucket, t) * g                        # gradients not yet copied into a bucket
+    temporaries = ADAM_TEMPORARIES[device] * mg          # AdamW computes in the masters' dtype
+    cast = 0 if g == mg else mg                          # 16-bit gradients cast to the masters' dtype
+    # bf16 with fp32 gradient accumulation (bf16.grad_accum_dtype; measured by benchmarks/precision/grad_accum.py,
+    # placement read from DeepSpeed): the partition is fp32 and the step's cast goes; ZeRO-1 runs
+    # the BF16_Optimizer with a whole fp32 gradient copy per GPU; ZeRO-2 offload adds an fp32
+    # partition on the GPU; ZeRO-3 offload keeps it on the CPU
+    grad_extra = host_extra = 0
+    fp32_accumulation = precision == "bf16" and _accumulates_in_fp32(profile, grad_accum, master)
+    if fp32_accumulation:
+        cast = 0 if mg == 4 else mg                      # bf16 masters: the fp32 sum is cast down
+        if stage == 1:
+            grad_extra = 4 * t - g * tpart
+        elif profile.offload_optimizer:
+            grad_extra, host_extra = (4 * tpart, 0) if stage == 2 else (0, (4 - g) * tpart)
+        else:
+            grad_extra = (4 - g) * tpart
+    gathered, host_step = 0, 0
+    if stage < 3:
+        gradients = g * (t - tpart) if stage == 1 and accumulation_steps > 1 else awaiting
+        buckets = touched * g
+        step = g * tpart + cast * tpart + temporaries * tpart    # flat copy, fp32 cast, AdamW
+        if profile.offload_optimizer:
+            step, host_step = 0, (temporaries * tpart if device == "cpu" else 0) * _torch_adam_offload(master)
+    else:
+        reuse = int(zero.get("stage3_max_reuse_distance", 1e9))
+        if int(zero.get("stage3_prefetch_bucket_size", 5e7)) > 0:
+            gathered = p * psi   # prefetch marks every parameter used again in backward: none is released
+        else:
+            gathered = p * min(psi, reuse // 2 + spec.largest_layer)
+        gradients, buckets = awaiting, min(bucket, t) * g if device == "cpu" else bucket * g
+        buckets += quantisation_buffers(zero, spec.largest_layer)
+        sub = min(tpart, int(zero.get("sub_group_size", 1e9)))
+        # the sub-group's fp32 gradient (bf16 masters: its flat bf16 copy, or the cast of an fp32
+        # sum) and AdamW's temporaries; ZeRO-3's one reduce bucket is allocated at start-up and
+        # stays (stage3.py), so the step has it too
+        master_grad = (0 if fp32_accumulation else 4) if master == "fp32" else mg
+        step = master_grad * sub + temporaries * sub + buckets
+        if profile.offload_optimizer:   # the step runs on the CPU; the bucket stays on the GPU
+            step, host_step = buckets, (temporaries * sub if device == "cpu" else 0) * _torch_adam_offload(master)
+    host_states = states.cpu_node // gpus_per_node if (profile.offload_optimizer or profile.offload_param) else 0
+    return Peak(states.gpu + grad_extra, act, logits, inputs, gradients, buckets, gathered, step,
+                host_states + host_extra, host_step, RESERVE if device == "cuda" else 0)
+
+
+def quantisation_buffers(zero: dict, largest_layer: int) -> int:
+    """ZeRO++'s transient buffers: qwZ's int8 gather of a prefetch bucket (+ an fp32 scale per 8000),
+    qgZ's int4 copies of the largest gradient (swizzled, exchanged, node-reduced: ~1.5 B/element)."""
+    qwz = zero.get("zero_quantized_weights") and int(zero.get("stage3_prefetch_bucket_size", 5e7)) * (1 + 4 / 8000)
+    return int(qwz or 0) + (int(1.5 * largest_layer) if zero.get("zero_quantized_gradients") else 0)
+
+
+def _accumulates_in_fp32(profile, grad_accum: str, master: str = "fp32") -> bool:
+    from rsclip_ds.profiles import auto_grad_accum_dtype
+
+    if grad_accum == "auto":   # profiles.grad_accum_dtype: bf16 with bf16 masters
+        grad_accum = "bf16" if master == "bf16" else auto_grad_accum_dtype(profile)
+    return grad_accum == "fp32"
+
+
+def _torch_adam_offload(master: str) -> int:
+    """1 where an offloaded step on CPU ranks runs torch's AdamW (its temporaries count); 0 with
+    bf16 masters, which need DeepSpeedCPUAdam (profiles.bf16_master_flags), updating in place."""
+    return int(master == "fp32")
+
+
+def _config(spec: ModelSpec):
+    from transformers import SiglipConfig
+
+    return SiglipConfig.from_dict(json.loads(spec.config_json))
