@@ -23,7 +23,7 @@
 #   DS_ACCELERATOR=cpu bash benchmarks/comms/multigpu_hybrid.sh --gpus 2 --model tiny --micro 8 --steps 4 \
 #       --precision fp32 --profiles "zero3 zero3_hpz" --out /tmp/hybrid_smoke.json
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 die() { echo "multigpu_hybrid.sh: $*" >&2; exit 2; }
 gpus="" nodes=2 model=git-rsclip-base micro=64 steps=40 precision=bf16 out="" work=runs/multigpu_hybrid
