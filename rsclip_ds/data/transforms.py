@@ -35,6 +35,7 @@ except ImportError:
 
 from rsclip_ds.config import DataConfig
 from rsclip_ds.data.bad import StreamCounter
+from rsclip_ds.data.geotiff import BandChoice, is_tiff, to_rgb
 
 log = logging.getLogger("rsclip_ds.data")
 
@@ -120,13 +121,16 @@ class ImageTransform:
     vflip: bool = False
     rot90: bool = False
     fast: bool = False                          # draft-scale JPEG decode, torch resize
+    bands: BandChoice | None = None             # multispectral TIFFs -> RGB (geotiff.py)
 
     @classmethod
-    def from_config(cls, size: int, cfg: DataConfig | None = None) -> "ImageTransform":
+    def from_config(cls, size: int, cfg: DataConfig | None = None,
+                    bands: BandChoice | None = None) -> "ImageTransform":
         """Training's transform from the data config; ``cfg=None`` is the evaluation transform
-        (no augmentation, full decode: as transformers' SigLIP image processor)."""
+        (no augmentation, full decode: as transformers' SigLIP image processor), with ``bands``
+        for multispectral TIFFs (eval.bands)."""
         if cfg is None:
-            return cls(size)
+            return cls(size, bands=bands)
         if cfg.jpeg_draft and _simplejpeg is None:
             log.warning("simplejpeg is not installed (a dependency of rsclip_ds): training decodes JPEGs with "
                         "PIL, same pixels, 1.3-2x the time per image (benchmarks/data/decode.py). "
@@ -159,8 +163,19 @@ class ImageTransform:
         return pixels
 
     def _open(self, data: bytes, draft: bool, need: int | None = None) -> Image.Image:
-        """PIL's decode to RGB; draft: at the smallest 1/2^k JPEG scale still >= ``need``."""
-        img = Image.open(io.BytesIO(data))
+        """PIL's decode to RGB; draft: at the smallest 1/2^k JPEG scale still >= ``need``. TIFFs
+        with a band choice, and those PIL cannot open (16-bit, > 3 bands), go through geotiff.py:
+        a multi-band one without ``bands`` raises BandsError, naming --bands."""
+        if is_tiff(data) and self.bands is not None:
+            return Image.fromarray(to_rgb(data, self.bands))
+        try:
+            img = Image.open(io.BytesIO(data))
+        except IMAGE_ERRORS:
+            if is_tiff(data):
+                return Image.fromarray(to_rgb(data, None))   # raises BandsError, or a clear OSError
+            raise
+        if is_tiff(data) and img.mode.startswith(("I", "F")):   # 16/32-bit: PIL's RGB would be garbage
+            return Image.fromarray(to_rgb(data, None))
         if draft:
             img.draft("RGB", (need or self.size,) * 2)
         img.load()                 # decodes: a corrupt file raises here
