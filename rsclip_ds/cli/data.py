@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 
 from rsclip_ds.config import ConfigError
+from rsclip_ds.data.geotiff import BandChoice, BandsError
 from rsclip_ds.data.shard_writer import Encoding, Record, make_shards, read_folder, read_karpathy, read_table
+from rsclip_ds.data.where import Where
 
 
 def register(sub) -> None:
@@ -58,15 +60,40 @@ def _register_make_shards(sub) -> None:
     src.add_argument("--karpathy", type=Path, help="Karpathy-style caption JSON (RSICD, UCM, Sydney, RSITMD)")
     src.add_argument("--table", type=Path, help="CSV/TSV (header row) or JSONL of image path + caption")
     src.add_argument("--folder", type=Path, help="image folder with a .txt caption file per image")
+    src.add_argument("--hf-dataset", metavar="FOLDER_OR_ID", help="a Hugging Face dataset with the image "
+                     "bytes in a column (Git-10M: lcybuaa/Git-10M): a hub id (fetched into the cache; "
+                     "HF_HUB_OFFLINE=1 reads the cache only), a folder in the hub's repo layout, a "
+                     "save_to_disk folder or one .parquet/.arrow file; streamed, resumable")
     p.add_argument("--images", type=Path, help="image folder of --karpathy; root of relative --table "
                    "paths (default: the table's folder)")
     p.add_argument("--out", required=True, type=Path, help="output folder (shards, index.json, report)")
     p.add_argument("--split", default=None, help="keep these splits, comma-separated (e.g. train or "
-                   "train,restval); default: all. Also the shard name prefix unless --prefix")
+                   "train,restval); default: all. Also the shard name prefix unless --prefix. "
+                   "--hf-dataset: the dataset split (default train)")
     p.add_argument("--prefix", default=None, help="shard names {prefix}-000000.tar (default: the split, "
                    "or 'train')")
     p.add_argument("--path-column", default="path", help="--table: column with the image path")
-    p.add_argument("--caption-column", default="caption", help="--table: column with the caption")
+    p.add_argument("--caption-column", default="caption", help="--table / --hf-dataset: column(s) with "
+                   "captions, comma-separated (SkyScript: title,title_multi_objects); all are kept")
+    p.add_argument("--image-column", default="image", help="--hf-dataset: column with the image bytes")
+    p.add_argument("--revision", default=None, help="--hf-dataset hub id: branch, tag or commit")
+    p.add_argument("--hf-config", default=None, help="--hf-dataset: the dataset's config name (its "
+                   "README's configs:), default: the default one")
+    p.add_argument("--where", default=None, help="keep rows where this holds, over the row's columns, e.g. "
+                   "\"img_quality_score >= 0.5 and resolution <= 2\" (comparisons, and/or/not, in [..], "
+                   "len(col); Google_location also gives latitude/longitude)")
+    p.add_argument("--min-caption-words", type=int, default=0, help="--hf-dataset: skip rows whose "
+                   "longest caption has fewer words")
+    p.add_argument("--max-caption-words", type=int, default=0, help="--hf-dataset: skip rows whose "
+                   "shortest caption has more words (0: no bound)")
+    p.add_argument("--bands", default=None, help="multi-band/16-bit GeoTIFFs: three 1-based bands as "
+                   "R,G,B (Sentinel-2 true colour: 4,3,2), written as 8-bit PNG")
+    p.add_argument("--band-scale", default="percentile:2,98", help="with --bands: 'percentile:LO,HI' "
+                   "per band and image, or 'range:MIN,MAX' fixed (Sentinel-2 L1C: range:0,3000)")
+    p.add_argument("--verify", default="header", choices=["header", "decode"], help="--hf-dataset: how "
+                   "images are checked: header + end marker (fast), or a full decode")
+    p.add_argument("--restart", action="store_true", help="--hf-dataset: discard an interrupted "
+                   "conversion in --out instead of resuming it")
     p.add_argument("--split-column", default=None, help="--table: column with the split (for --split)")
     p.add_argument("--shard-size", type=int, default=1000, help="samples per shard at most")
     p.add_argument("--shard-bytes", type=float, default=0, help="payload bytes per shard at most "
@@ -82,7 +109,7 @@ def _register_make_shards(sub) -> None:
     p.set_defaults(handler=make_shards_command)
 
 
-def _records(args) -> tuple[list[Record], Path | None]:
+def _records(args, filtered: list[str]) -> tuple[list[Record], Path | None]:
     splits = {s.strip() for s in args.split.split(",")} if args.split else None
     if args.karpathy:
         if args.images is None:
@@ -93,8 +120,27 @@ def _records(args) -> tuple[list[Record], Path | None]:
             raise ValueError("--split with --table needs --split-column naming the split column")
         root = args.images or args.table.parent
         return list(read_table(args.table, args.images, args.path_column, args.caption_column,
-                               args.split_column, splits)), root
+                               args.split_column, splits, Where.parse(args.where), filtered)), root
+    if args.where:
+        raise ValueError("--where filters --table and --hf-dataset rows (their columns); a --karpathy or "
+                         "--folder input has none (filter at load time with data.where)")
     return list(read_folder(args.folder)), args.folder
+
+
+def _convert_hf(args, prefix: str, console) -> dict:
+    from rsclip_ds.data.convert import convert
+    from rsclip_ds.data.hf_source import resolve_hf_dataset
+    from rsclip_ds.data.ingest import RowSpec
+
+    split = args.split or "train"
+    source = resolve_hf_dataset(args.hf_dataset, split=split, config=args.hf_config, revision=args.revision)
+    spec = RowSpec(image_column=args.image_column,
+                   caption_columns=tuple(c.strip() for c in args.caption_column.split(",") if c.strip()),
+                   where=args.where or "", min_words=args.min_caption_words, max_words=args.max_caption_words,
+                   max_side=args.max_side, format=args.format, quality=args.quality,
+                   bands=BandChoice.parse(args.bands, args.band_scale), verify=args.verify, split=split)
+    return convert(source, args.out, prefix=prefix, spec=spec, shard_size=args.shard_size,
+                   shard_bytes=args.shard_bytes, workers=args.workers, restart=args.restart, console=console)
 
 
 def make_shards_command(args) -> int:
@@ -104,11 +150,16 @@ def make_shards_command(args) -> int:
     console = Console(stderr=True)
     prefix = args.prefix or (args.split.split(",")[0] if args.split else "train")
     try:
-        records, root = _records(args)
-        info = make_shards(records, args.out, prefix=prefix, shard_size=args.shard_size,
-                           shard_bytes=args.shard_bytes, root=root, workers=args.workers,
-                           encoding=Encoding(args.max_side, args.format, args.quality), console=console)
-    except (ValueError, OSError) as err:
+        if args.hf_dataset:
+            info = _convert_hf(args, prefix, console)
+        else:
+            filtered: list[str] = []
+            records, root = _records(args, filtered)
+            encoding = Encoding(args.max_side, args.format, args.quality, BandChoice.parse(args.bands, args.band_scale))
+            info = make_shards(records, args.out, prefix=prefix, shard_size=args.shard_size,
+                               shard_bytes=args.shard_bytes, root=root, workers=args.workers,
+                               encoding=encoding, console=console, filtered=filtered)
+    except (ValueError, OSError, BandsError) as err:
         raise ConfigError(str(err)) from None
     table = Table(title=f"make-shards {prefix} -> {args.out}")
     table.add_column("what")
@@ -122,7 +173,7 @@ def make_shards_command(args) -> int:
     for kind, paths in info["examples"].items():
         console.print(f"[yellow]skipped ({kind})[/yellow] e.g. " + "; ".join(paths[:3]))
     if info["skipped"]:
-        console.print(f"every skipped input: {args.out / f'{prefix}-report.json'}")
+        console.print(f"skipped inputs (by reason, with examples): {args.out / f'{prefix}-report.json'}")
     print(json.dumps({"train_shards": str(args.out / info["pattern"]), "num_samples": info["num_samples"],
                       "num_shards": info["num_shards"], "skipped": info["skipped"]}))
     return 0

@@ -17,8 +17,11 @@ wrote there); ``{prefix}-report.json`` lists every input that was skipped and wh
 
 Same input and options -> byte-identical shards: inputs keep their file order, tar members
 carry a fixed mtime/owner, and re-encoding is deterministic. Images are copied as they are, or
-re-encoded (--max-side, --format); .tif is read with PIL (8-bit RGB/L; convert multi-band
-GeoTIFFs to RGB first).
+re-encoded (--max-side, --format); .tif is read with PIL (8-bit RGB/L), multi-band or 16-bit
+GeoTIFFs with --bands (geotiff.py: three bands scaled to 8-bit, written as PNG). --table rows
+keep their other columns in the JSON (numbers as numbers) and --where filters on them
+(where.py). Published corpora with the image bytes in a parquet/arrow column go through
+``--hf-dataset`` instead (hf_source.py, ingest.py, convert.py: streamed, resumable).
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from webdataset import TarWriter
 
+from rsclip_ds.data.geotiff import BandChoice, is_tiff, to_rgb
+from rsclip_ds.data.where import Where
+
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".tif", ".tiff", ".bmp")
 _MTIME = 946684800    # 2000-01-01: fixed member time, reproducible tars
 _EXT = {"jpeg": "jpg", "tiff": "tif"}
@@ -50,6 +56,7 @@ class Record:
     path: Path
     captions: list[str]
     split: str | None = None
+    meta: dict = field(default_factory=dict)     # the table row's other columns
 
 
 @dataclass
@@ -84,28 +91,62 @@ def read_karpathy(path: Path, images: Path, splits: set[str] | None) -> Iterator
                      split)
 
 
+def _number(value):
+    """A CSV cell as JSON: '0.31' -> 0.31, '7' -> 7, '' -> None, other text as it is."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if not text:
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return value
+
+
 def read_table(path: Path, images: Path | None, path_column: str, caption_column: str,
-               split_column: str | None, splits: set[str] | None) -> Iterator[Record]:
-    """CSV (header row) or JSONL; rows of one image are merged (first-appearance order)."""
+               split_column: str | None, splits: set[str] | None, where: Where | None = None,
+               dropped: list[str] | None = None) -> Iterator[Record]:
+    """CSV (header row) or JSONL; rows of one image are merged (first-appearance order).
+    ``caption_column`` may name several columns, comma-separated (SkyScript: title,
+    title_multi_objects); the row's other columns go to ``Record.meta`` (numbers as numbers) and
+    ``where`` filters on them; the paths of filtered rows are appended to ``dropped``."""
     path = Path(path)
     root = images or path.parent
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic == b"PAR1" or magic[:4] == b"ARRO" or path.suffix.lower() in (".parquet", ".arrow"):
+        raise ValueError(f"{path} is a {'parquet' if magic == b'PAR1' or path.suffix == '.parquet' else 'arrow'} "
+                         "file, not a CSV/TSV/JSONL table: pass it (or its folder) with --hf-dataset "
+                         f"{path}, which reads parquet/arrow with the image bytes in a column")
     if path.suffix.lower() in (".jsonl", ".json"):
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     else:
-        with path.open(newline="") as f:
+        with path.open(newline="", encoding="utf-8") as f:
             rows = list(csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","))
-    for column in filter(None, (path_column, caption_column, split_column)):
+    caption_columns = [c.strip() for c in caption_column.split(",") if c.strip()]
+    for column in filter(None, (path_column, *caption_columns, split_column)):
         if rows and column not in rows[0]:
             raise ValueError(f"{path}: no column {column!r}; it has {sorted(rows[0])}. Name the columns "
-                             "with --path-column / --caption-column / --split-column")
+                             "with --path-column / --caption-column (comma-separated for several) / --split-column")
+    if where and rows:
+        where.check_columns(rows[0], str(path))
     merged: dict[str, Record] = {}
     for row in rows:
         split = row.get(split_column) if split_column else None
         if splits and split not in splits:
             continue
+        meta = {k: _number(v) for k, v in row.items() if k not in (path_column, *caption_columns)}
+        if where and not where(meta):
+            if dropped is not None:
+                dropped.append(f"{row[path_column]}: {where.text}")
+            continue
         name = str(row[path_column])
-        rec = merged.setdefault(name, Record(root / name, [], split))
-        rec.captions += _captions(row.get(caption_column))
+        rec = merged.setdefault(name, Record(root / name, [], split, meta))
+        for column in caption_columns:
+            rec.captions += _captions(row.get(column))
     yield from merged.values()
 
 
@@ -124,12 +165,23 @@ class Encoding:
     max_side: int = 0          # 0: keep the size
     format: str = "keep"       # keep | jpg | png | webp
     quality: int = 95
+    bands: BandChoice | None = None   # multispectral TIFFs -> RGB (geotiff.py), written as PNG unless --format
 
 
 def load_image(path: Path, enc: Encoding) -> tuple[bytes, str]:
     """-> (bytes, extension). Raises OSError/ValueError for unreadable files (decoded in full)."""
     data = path.read_bytes()
     ext = _EXT.get(path.suffix.lower().lstrip("."), path.suffix.lower().lstrip("."))
+    if is_tiff(data) and (enc.bands is not None or _needs_bands(data)):
+        out_ext = "png" if enc.format == "keep" else enc.format
+        img = Image.fromarray(to_rgb(data, enc.bands, str(path)))   # BandsError without --bands
+        if enc.max_side and max(img.size) > enc.max_side:
+            scale = enc.max_side / max(img.size)
+            img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))),
+                             Image.Resampling.LANCZOS)
+        buf = io.BytesIO()
+        img.save(buf, format=_PIL_FORMAT[out_ext], **({"quality": enc.quality} if out_ext != "png" else {}))
+        return buf.getvalue(), out_ext
     with Image.open(io.BytesIO(data)) as img:
         img.load()
         too_big = enc.max_side and max(img.size) > enc.max_side
@@ -148,6 +200,18 @@ def load_image(path: Path, enc: Encoding) -> tuple[bytes, str]:
         kw = {"quality": enc.quality} if out_ext in ("jpg", "webp") else {}
         img.save(buf, format=_PIL_FORMAT[out_ext], **kw)
         return buf.getvalue(), out_ext
+
+
+def _needs_bands(data: bytes) -> bool:
+    """A TIFF PIL would misread or refuse: more than 3 bands, or not 8-bit."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return img.mode.startswith(("I", "F"))
+    except IMAGE_OPEN_ERRORS:
+        return True
+
+
+IMAGE_OPEN_ERRORS = (OSError, ValueError, SyntaxError)
 
 
 def _prepare(args: tuple[Record, Encoding]) -> tuple[str, object]:
@@ -218,9 +282,10 @@ def _merge_index(out: Path, prefix: str, report: ShardReport, info: dict) -> dic
 def make_shards(records: Iterator[Record] | list[Record], out: str | Path, *, prefix: str = "train",
                 shard_size: int = 1000, shard_bytes: float = 0, encoding: Encoding = Encoding(),
                 root: Path | None = None, workers: int = 1, progress: bool = True,
-                console: Console | None = None) -> dict:
+                console: Console | None = None, filtered: list[str] = ()) -> dict:
     """Write shards of ``records`` into ``out``; returns this prefix's index entry with counts of
-    skipped inputs (every skipped path is in ``{out}/{prefix}-report.json``)."""
+    skipped inputs (every skipped path is in ``{out}/{prefix}-report.json``); ``filtered``: the
+    inputs a --where filter dropped before (counted as filtered_out)."""
     if shard_size < 1 or shard_bytes < 0:
         raise ValueError(f"--shard-size must be >= 1 and --shard-bytes >= 0 (got {shard_size}, {shard_bytes})")
     out = Path(out)
@@ -229,6 +294,8 @@ def make_shards(records: Iterator[Record] | list[Record], out: str | Path, *, pr
         old.unlink()   # a rerun with a larger shard size must not leave stale shards behind
     records = list(records)
     report, used = ShardReport(), set()
+    for path in filtered:
+        report.skip("filtered_out", path)
     shards = _Shards(out, prefix, shard_size, shard_bytes)
     columns = [TextColumn("make-shards {task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[skipped]} skipped"), TimeRemainingColumn()]
@@ -243,7 +310,7 @@ def make_shards(records: Iterator[Record] | list[Record], out: str | Path, *, pr
                     report.skip(status, f"{rec.path}: {value}")
                 else:
                     data, ext = value
-                    meta = {"filename": rec.path.name, "captions": rec.captions, "split": rec.split}
+                    meta = {**rec.meta, "filename": rec.path.name, "captions": rec.captions, "split": rec.split}
                     sample = {"__key__": _key(rec, root, used), ext: data,
                               "txt": "\n".join(rec.captions).encode("utf-8"),
                               "json": json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")}
