@@ -118,11 +118,16 @@ class DataConfig(_Strict):
         "the shards) a rank has read were unreadable. 1 never stops.")
     bad_data_min_samples: int = Field(
         1000, ge=0, description="Samples a rank reads before max_bad_fraction is checked.")
+    where: Optional[str] = Field(None, description="Keep only samples whose JSON member satisfies this filter, "
+                                 "e.g. 'img_quality_score >= 0.5 and resolution <= 2' (make-shards --where's "
+                                 "language, docs/guides/corpora.md); dropped ones count as filtered_out.")
 
     @model_validator(mode="after")
     def _weights(self) -> "DataConfig":
         """One weight per '::'-separated source, checked here so the error comes before any rank
-        starts (the loader checks the same again on what it expanded)."""
+        starts (the loader checks the same again on what it expanded); data.where parses."""
+        from rsclip_ds.data.where import Where   # a filter typo fails before any rank starts
+        Where.parse(self.where)
         if self.train_weights is None or self.train_shards is None:
             return self
         sources = [part for part in self.train_shards.split("::") if part.strip()]
@@ -359,6 +364,9 @@ class EvalConfig(_Strict):
         None, description="Prompt templates for zero-shot, one per line with '{}' for the class name; "
         "default: the shipped remote-sensing set (rsclip_ds/templates/remote_sensing.txt).")
     batch_size: int = Field(64, ge=1, description="Images (and texts) per forward pass per rank.")
+    bands: Optional[str] = Field(None, description="Multispectral TIFFs: 1-based bands as R,G,B (Sentinel-2: "
+                                 "'4,3,2'), scaled by band_scale; unset, a > 3-band TIFF stops the evaluation.")
+    band_scale: str = Field("percentile:2,98", description="With bands: 'percentile:LO,HI' or 'range:MIN,MAX'.")
     max_bad_fraction: float = Field(
         0.01, ge=0, le=1, description="Unreadable or missing images are skipped, counted "
         "(skipped_images in the results) and named in the log; past this fraction of a set the "

@@ -16,6 +16,7 @@ import torch
 
 from rsclip_ds.config import ConfigError, EvalConfig
 from rsclip_ds.data.bad import DataError
+from rsclip_ds.data.geotiff import BandChoice, BandsError
 from rsclip_ds.evaluation import Embedder, EvalSets, evaluate, flat_metrics
 from rsclip_ds.evaluation.hook import build_monitor, log_results, write_monitor
 from rsclip_ds.model import ModelBundle
@@ -72,6 +73,9 @@ def register(sub) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default 64)")
     p.add_argument("--max-bad-fraction", type=float, default=None, help="unreadable or missing images "
                    "are skipped and counted; past this fraction of a set the evaluation stops (default 0.01)")
+    p.add_argument("--bands", default=None, help="multispectral TIFFs: 1-based bands as R,G,B (Sentinel-2: "
+                   "4,3,2); without it a > 3-band TIFF stops the evaluation")
+    p.add_argument("--band-scale", default=None, help="with --bands: percentile:LO,HI (default 2,98) or range:MIN,MAX")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--out", type=Path, help="results JSON (default: {output_dir}/eval/<tag>.json for a "
                    "checkpoint, eval/<folder name>.json for a model folder)")
@@ -85,7 +89,7 @@ def _eval_config(args, base: EvalConfig) -> EvalConfig:
     given = {"zero_shot_dir": args.zero_shot, "retrieval_json": args.retrieval,
              "retrieval_images": args.retrieval_images, "retrieval_split": args.split,
              "templates": args.templates, "batch_size": args.batch_size,
-             "max_bad_fraction": args.max_bad_fraction}
+             "max_bad_fraction": args.max_bad_fraction, "bands": args.bands, "band_scale": args.band_scale}
     return base.model_copy(update={k: v for k, v in given.items() if v is not None})
 
 
@@ -140,6 +144,10 @@ def run(args) -> int:
     # everything that can fail (paths, checkpoint, data sets) before a process group exists
     bundle, step, base, default_out, ds_config = _load_for_eval(args)
     cfg = _eval_config(args, base)
+    try:
+        bands = BandChoice.parse(cfg.bands, cfg.band_scale)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     sets = EvalSets.from_config(cfg)
     if args.ds_config is not None:
         if not args.ds_config.is_file():
@@ -155,7 +163,10 @@ def run(args) -> int:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
         model = bundle.model.to(device, dtype).eval()
         try:
-            results = evaluate(Embedder(model, bundle, cfg.batch_size, info.rank, info.world_size, device), sets)
+            results = evaluate(Embedder(model, bundle, cfg.batch_size, info.rank, info.world_size, device,
+                                        bands=bands), sets)
+        except BandsError as err:   # a multispectral TIFF without --bands: every rank stops with the fix
+            raise ConfigError(str(err)) from None
         except DataError as err:   # every rank counted the same gathered marks: rank 0 says it
             if info.rank == 0:
                 print(f"rsclip-ds: DataError: {err}", file=sys.stderr)

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 SHARD_KINDS = ("missing_shard", "unreadable_shard", "truncated_tar", "empty_shard")
 SAMPLE_KINDS = ("corrupt_image", "missing_image", "missing_caption")
-BAD_KINDS = SHARD_KINDS + SAMPLE_KINDS
+# not bad data, counted beside it (carried in the resumable state, summed in the summary):
+# samples data.where dropped; no part of max_bad_fraction
+FILTER_KINDS = ("filtered_out",)
+BAD_KINDS = SHARD_KINDS + SAMPLE_KINDS + FILTER_KINDS
 
 
 class DataError(RuntimeError):
@@ -44,6 +47,7 @@ class StreamCounter:
         self.bad = {k: int(state.get("bad", {}).get(k, 0)) for k in BAD_KINDS}
         self.samples = int(state.get("samples", 0))   # samples taken from the buffer, good or bad
         self.shards = int(state.get("shards", 0))     # shards opened (for the bad-shard fraction)
+        self.filtered_run = 0                         # data.where: samples dropped in a row
         self.opened = 0                               # shards opened in this epoch
         self.closed = 0                               # ... and read to the end (errors reported)
         self.quiet_opened = self.quiet_closed = 0     # replay: shards already counted before resume

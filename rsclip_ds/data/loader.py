@@ -54,6 +54,7 @@ from rsclip_ds.data.sources import shard_counts, shard_counts_from_rank0
 from rsclip_ds.data.tar import read_shard
 from rsclip_ds.data.tokenizer import tokenize
 from rsclip_ds.data.transforms import ImageTransform, SampleDecoder
+from rsclip_ds.data.where import Where
 
 log = logging.getLogger("rsclip_ds.data")
 PREFETCH_FACTOR = 2   # batches each DataLoader worker has in flight
@@ -100,6 +101,7 @@ class StreamDataset(IterableDataset):
         # data under another folder (another machine, a test's tmp dir) gives the same run
         self.shard_ids = {url: i for i, url in enumerate(schedule.urls)}
         self.cfg, self.starts, self.offset = cfg, starts, offset
+        self._filter_limit = max(1000, 2 * sum((schedule.counts or {}).values()))
 
     def __iter__(self) -> Iterator[dict]:
         pid, k = _worker()
@@ -163,6 +165,10 @@ class StreamDataset(IterableDataset):
                                                        sample["__key__"]))
                 item = self.prep(sample, sample_rng, counter)
                 if item is None:   # the stream checks too: a rank may never see a batch otherwise
+                    if counter.filtered_run > self._filter_limit:
+                        raise DataError(f"{who}: data.where={cfg.where!r} dropped the last {counter.filtered_run} "
+                                        "samples in a row (more than the whole shard list twice): it keeps "
+                                        "nothing here. Check the filter against the samples' JSON")
                     check_bad_fraction(counter.bad, counter.samples, counter.shards, cfg.max_bad_fraction,
                                        cfg.bad_data_min_samples, who, counter.examples)
                     continue
@@ -406,7 +412,7 @@ def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_
         log.warning("rank %d has %d shard(s) for data.num_workers=%d; using %d worker(s) so that "
                     "none idles", rank, shards, workers, used)
     prep = SampleDecoder(ImageTransform.from_config(image_size, cfg), _split_keys(cfg.image_key),
-                         _split_keys(cfg.caption_key))
+                         _split_keys(cfg.caption_key), Where.parse(cfg.where) if cfg.where else None)
     collate = Collate(tokenizer, max_text_length, micro_batch_size, return_keys)
     return TrainLoader(schedule, rank, cfg, prep, collate, state=state)
 

@@ -36,6 +36,7 @@ except ImportError:
 from rsclip_ds.config import DataConfig
 from rsclip_ds.data.bad import StreamCounter
 from rsclip_ds.data.geotiff import BandChoice, is_tiff, to_rgb
+from rsclip_ds.data.where import Where
 
 log = logging.getLogger("rsclip_ds.data")
 
@@ -228,6 +229,23 @@ class SampleDecoder:
     transform: ImageTransform
     image_keys: list[str]
     caption_keys: list[str]
+    where: Where | None = None     # data.where over the sample's JSON member (where.py)
+
+    def keep(self, sample: dict, counter: StreamCounter) -> bool:
+        """data.where: False (counted as filtered_out, no example logged) when the sample's JSON
+        fails it; a sample without JSON has no columns, so every comparison is false."""
+        if self.where is None:
+            return True
+        try:
+            meta = json.loads(sample["json"]) if "json" in sample else {}
+        except ValueError:
+            meta = {}
+        if self.where(meta if isinstance(meta, dict) else {}):
+            counter.filtered_run = 0
+            return True
+        counter.bad["filtered_out"] += 1
+        counter.filtered_run += 1
+        return False
 
     def captions(self, sample: dict) -> list[str]:
         key = next((k for k in self.caption_keys if k in sample), None)
@@ -241,6 +259,8 @@ class SampleDecoder:
         return [line.strip() for line in text.splitlines() if line.strip()]
 
     def __call__(self, sample: dict, rng: random.Random, counter: StreamCounter) -> tuple | None:
+        if not self.keep(sample, counter):
+            return None
         where = f"{sample['__url__']}:{sample['__key__']}"
         key = next((k for k in self.image_keys if k in sample), None)
         if key is None:

@@ -26,6 +26,7 @@ from rich.progress import Progress
 
 from rsclip_ds.data.bad import DataError
 from rsclip_ds.data.tokenizer import tokenize
+from rsclip_ds.data.geotiff import BandChoice
 from rsclip_ds.data.transforms import IMAGE_ERRORS, ImageTransform
 from rsclip_ds.evaluation.datasets import EvalSets
 from rsclip_ds.evaluation.metrics import retrieval_metrics, zero_shot_metrics
@@ -35,9 +36,10 @@ log = logging.getLogger("rsclip_ds")
 SHOWN_PER_RANK = 3   # unreadable images named in the log per rank and set (then one count line)
 
 
-def eval_transform(bundle: ModelBundle) -> ImageTransform:
-    """The training loader's image transform with augmentation off (uint8 (S, S, 3) out)."""
-    return ImageTransform.from_config(bundle.image_size)
+def eval_transform(bundle: ModelBundle, bands: BandChoice | None = None) -> ImageTransform:
+    """The training loader's image transform with augmentation off (uint8 (S, S, 3) out);
+    ``bands``: multispectral TIFFs -> RGB (eval.bands)."""
+    return ImageTransform.from_config(bundle.image_size, bands=bands)
 
 
 def uint8_batch(transform: ImageTransform, images: Sequence) -> torch.Tensor:
@@ -78,6 +80,7 @@ class Embedder:
     logit_scale: torch.Tensor | None = None   # set by embed(): the model's log temperature
     logit_bias: torch.Tensor | None = None
     image_ok: torch.Tensor | None = None      # set by embed(): (N,) bool, False where unreadable
+    bands: BandChoice | None = None            # eval.bands: multispectral TIFFs -> RGB
     unreadable: list[tuple[Path, str]] = field(default_factory=list)   # this rank's, from the last embed()
 
     def embed(self, image_paths: Sequence[Path], texts: Sequence[str], what: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +90,7 @@ class Embedder:
         per_rank = (-(-len(image_paths) // w), -(-len(texts) // w))   # ceil: the largest share
         steps = max(-(-per_rank[0] // b), -(-per_rank[1] // b))
         b_ = self.bundle
-        transform = eval_transform(b_)
+        transform = eval_transform(b_, self.bands)
         dummy_pixels = torch.zeros(1, 3, b_.image_size, b_.image_size, dtype=torch.uint8)
         dummy_ids = torch.full((1, 1), b_.tokenizer.pad_token_id or 0, dtype=torch.long)
         images, txts, ok, scale, bias = [], [], [], None, None

@@ -6,6 +6,7 @@ import json
 import logging
 from pathlib import Path
 
+from rsclip_ds.data.geotiff import BandChoice
 from rsclip_ds.evaluation.datasets import EvalSets
 from rsclip_ds.evaluation.embed import Embedder, evaluate
 from rsclip_ds.evaluation.metrics import flat_metrics
@@ -55,7 +56,8 @@ def build_eval_hook(run, bundle: ModelBundle, rank: int, world_size: int):
         was_training = engine.module.training
         engine.eval()
         try:
-            embedder = Embedder(engine, bundle, cfg.batch_size, rank, world_size, engine.device, progress=False)
+            embedder = Embedder(engine, bundle, cfg.batch_size, rank, world_size, engine.device, progress=False,
+                                bands=BandChoice.parse(cfg.bands, cfg.band_scale))
             results = evaluate(embedder, sets)
         finally:
             engine.train(was_training)
