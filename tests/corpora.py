@@ -58,7 +58,8 @@ def git10m_rows(n: int) -> dict[str, list]:
     return rows
 
 
-def git10m_dataset(n: int):
+def git10m_dataset(n: int, rows: dict[str, list] | None = None):
+    """``rows`` (default: git10m_rows(n), faults planted) as a datasets.Dataset of Git-10M's features."""
     import datasets
 
     features = datasets.Features({
@@ -66,7 +67,7 @@ def git10m_dataset(n: int):
         "img_quality_score": datasets.Value("float32"), "caption": datasets.Value("string"),
         "caption_length": datasets.Value("int64"), "resolution": datasets.Value("float64"),
         "Google_location": datasets.Value("string")})
-    return datasets.Dataset.from_dict(git10m_rows(n), features=features)
+    return datasets.Dataset.from_dict(rows or git10m_rows(n), features=features)
 
 
 def write_git10m(root: Path, n: int = 60, files: int = 3) -> Path:
