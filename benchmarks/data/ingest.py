@@ -9,7 +9,7 @@ once; then, in alternation, the bare loop (pyarrow iter_batches -> the same thre
 atomic shards) with 1 and 2 workers. The outputs are compared byte for byte first (the ratio
 compares equal work). Per core = rows/s / processes used (capped at the cores available);
 ratio = ours per core / bare per core (target >= 0.9). The Git-10M projection is 10.5M rows /
-(per-core rate x 32 cores): an upper bound, because one process reads the parquet and writes
+(per-core rate x 32 cores): a lower bound on the time, because one process reads the parquet and writes
 every tar (workers only check and re-encode), so past some core count that process and the disk
 bound it; the JSON says so.
 """
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
                   "shard_size": shard_size, "bytes_identical": True, "results": results,
                   "git10m_projection": {"rows": GIT10M_ROWS, "cores": 32,
                                         "hours": round(GIT10M_ROWS / (best * 32) / 3600, 2),
-                                        "note": "upper bound: one process reads and writes every tar"},
+                                        "note": "a lower bound on the time: one process reads and writes every tar"},
                   "environment": environment(1, cores_available=cores)}
     finally:
         shutil.rmtree(work, ignore_errors=True)

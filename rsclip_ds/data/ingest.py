@@ -57,7 +57,7 @@ class RowSpec:
     quality: int = 95
     bands: BandChoice | None = None
     verify: str = "header"                # header: parse the header, check the end marker; decode: full
-    split: str | None = None
+    split: str | None = "train"            # the dataset split, written into each sample's JSON
     name_column: str = "img_name"
 
     def check(self, columns: list[str], label: str) -> None:
