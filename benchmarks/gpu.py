@@ -386,9 +386,9 @@ def openclip_comparison(args) -> int:
     --module rsclip_ds train` with zero2 bf16, the model of openclip_shapes.SHAPES[--model],
     --micro (default MICRO), --loader-workers workers each, synthetic JPEGs at the model's size."""
     import torch
-    from throughput_openclip import cases as openclip_cases
-    from throughput_openclip import compare, one_rank_bench
-    from throughput_openclip_report import plot, print_tables
+    from benchmarks.throughput.openclip import cases as openclip_cases
+    from benchmarks.throughput.openclip import compare, one_rank_bench
+    from benchmarks.throughput.openclip_report import plot, print_tables
 
     shape = args.model[0]
     bench = one_rank_bench(shape, args.micro or MICRO.get(shape, 8), args.openclip_steps, args.loader_workers,

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import to_jsonable_python
 
 
 class ConfigError(ValueError):
@@ -487,14 +489,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(_format_error(err)) from None
 
 
-def describe(cls: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(key, default, description) for every leaf field, for `rsclip-ds show-config`."""
+def describe(cls: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str, FieldInfo]]:
+    """(key, default as JSON, description, the field: its annotation and bounds) for every leaf in
+    schema order: what `rsclip-ds show-config` prints and docs/reference/config.md is made of."""
     rows = []
     for name, field in cls.model_fields.items():
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             rows += describe(ann, f"{prefix}{name}.")
         else:
-            default = field.get_default(call_default_factory=True)
-            rows.append((prefix + name, repr(default), field.description or ""))
+            default = to_jsonable_python(field.get_default(call_default_factory=True))
+            rows.append((prefix + name, json.dumps(default), field.description or "", field))
     return rows

@@ -266,7 +266,7 @@ def versions() -> dict:
 def run(args) -> dict:
     import torch
 
-    from harness import environment
+    from benchmarks.harness import environment
 
     torch.set_num_threads(1)   # a DataLoader worker's setting: one core
     results = []
@@ -311,7 +311,7 @@ def print_table(report: dict) -> None:
 
 
 def plot(report: dict, path: Path) -> str | None:
-    from harness import pyplot, save_figure
+    from benchmarks.harness import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         return _worker(args)
-    from harness import write_report
+    from benchmarks.harness import write_report
 
     write_report(run(args), args.out, print_table, plot)
     return 0

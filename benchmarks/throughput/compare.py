@@ -266,7 +266,7 @@ def loops_to_run(no_trainer: bool) -> tuple[list[str], list[str]]:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a == "--open-clip" or a.startswith("--open-clip=") for a in argv):   # the open_clip comparison
-        from throughput_openclip import main as openclip_main
+        from benchmarks.throughput.openclip import main as openclip_main
 
         return openclip_main(argv)
     args = parse_args(argv)

@@ -1,0 +1,84 @@
+"""Sections of docs/results.md: benchmarks/data/ (JPEG decoders on one core, the loader per CPU-second)."""
+
+from __future__ import annotations
+
+import statistics
+
+from benchmarks.results_tables.format import fix, pct, sig, spread, table
+
+
+def decode(files: dict) -> list[str]:
+    """A row per method, a column per (source px -> model px): `pil`'s rate, the others' ratio to it."""
+    rep = files["decode.json"]
+    res = rep["results"]
+    rows = []
+    for m in dict.fromkeys(m for r in res for m in r["methods"]):
+        cells = []
+        for r in res:
+            x = r["methods"].get(m)
+            if x is None:
+                cells.append("-")
+            elif m == "pil":
+                cells.append(sig(x["per_core_summary"]["median"], 4))
+            else:
+                diff = x["pixels"]["max"]
+                cells.append(fix(x["ratio_to_pil_summary"]["median"]) + (f" ({diff})" if diff else ""))
+        rows.append([m, *cells])
+    out = [f"{rep['setup']['num_images']} JPEGs per source size, one core; `pil`: samples per CPU-second; the others: "
+           "x `pil`, median over the repeats (largest pixel difference from `pil` in grey levels, when not 0):", ""]
+    return out + table(["method", *(f"{r['source_px']} -> {r['size']}" for r in res)], rows)
+
+
+def _loader_cells(r: dict, full: bool) -> list[str]:
+    med = (lambda k: sig(r[k]["per_cpu_second_summary"]["median"], 4))
+    ratio = spread(r["ratios"]["loader/bare_pil"], fix)
+    if not full:
+        return [med("loader"), ratio]
+    return [med("loader"), med("loader_pil"), med("bare_pil"), med("bare_fast"), ratio,
+            spread(r["ratios"]["loader_pil/bare_pil"], fix), pct(statistics.median(r["loader"]["main_cpu_share"]))]
+
+
+def _rates(cur: dict, earlier: dict[str, dict]) -> list[str]:
+    key = (lambda r: (r["image_size"], r["workers"]))
+    old = {n: {key(r): r for r in rep["results"]} for n, rep in earlier.items()}
+    rows = [[*key(r), *_loader_cells(r, True),
+             *(c for by in old.values() for c in (_loader_cells(by[key(r)], False) if key(r) in by else ["-", "-"]))]
+            for r in cur["results"]]
+    return table(["input", "workers", "loader", "loader_pil", "bare_pil", "bare_fast", "loader / bare_pil",
+                  "loader_pil / bare_pil", "main process share",
+                  *(c for n in earlier for c in (f"`{n}`: loader", "loader / bare_pil"))], rows)
+
+
+def _cores(files: dict) -> list[str]:
+    cur = files["loader.json"]["cores_per_gpu"]
+    cell = (lambda c: f"{fix(c['cores_per_gpu'])} ({fix(min(c['cores_per_gpu_range']))}.."
+                      f"{fix(max(c['cores_per_gpu_range']))})")
+    return table(["preset", "input", "needs samples/s", *(f"`{n}`" for n in files), "with PIL's decode"],
+                 [[p, c["image_size"], f"{c['samples_per_s_per_gpu']:,}",
+                   *(cell(rep["cores_per_gpu"][p]) for rep in files.values()), fix(c["cores_per_gpu_pil_loader"])]
+                  for p, c in cur.items()])
+
+
+def _breakdown(files: dict) -> list[str]:
+    cols = [(n, size) for n, rep in files.items() for size in rep["breakdown"]]
+    bd = (lambda n, size: files[n]["breakdown"][size])
+    stages = list(dict.fromkeys(k for n, size in cols for k in bd(n, size)["us_per_sample"]))
+    rows = [[st, *(sig(bd(n, sz)["us_per_sample"].get(st)) for n, sz in cols)] for st in stages]
+    rows += [["loader with 1 worker", *(sig(bd(n, sz)["loader_us_per_sample_1_worker"]) for n, sz in cols)],
+             ["hand-over + main process",
+              *(sig(bd(n, sz)["hand-over + main process (loader minus stream)"]) for n, sz in cols)]]
+    return table(["stage", *(f"{sz} px, {bd(n, sz)['pixel_dtype'].removeprefix('torch.')} (`{n}`)" for n, sz in cols)],
+                 rows)
+
+
+def loader(files: dict) -> list[str]:
+    """loader.json in full; an earlier run (its `note` says which) as its loader column and ratio, and
+    beside it in the cores-per-GPU and per-stage tables."""
+    cur = files["loader.json"]
+    s, earlier = cur["setup"], {n: rep for n, rep in files.items() if n != "loader.json"}
+    out = [f"{s['num_images']} JPEGs of {s['source_px']} px, micro {s['micro_batch_size']}, {s['repeats']} repeats; "
+           "samples per CPU-second (main process + workers), median; ratios median (min..max)"
+           + "".join(f"; `{n}`: {rep.get('note', 'an earlier run')}" for n, rep in earlier.items()) + ":", ""]
+    out += _rates(cur, earlier)
+    out += ["Cores per GPU (the preset's samples/s / the loader's samples per CPU-second):", "", *_cores(files)]
+    return out + ["Where a sample's CPU time goes (`--breakdown`), microseconds per sample:", "", *_breakdown(files)]

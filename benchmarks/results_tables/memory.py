@@ -1,0 +1,116 @@
+"""Sections of docs/results.md: benchmarks/memory/ (states and activations per rank, fine-tuning
+controls, the peak of a step, the model build, checkpoint bytes, per-step page faults)."""
+
+from __future__ import annotations
+
+from benchmarks.results_tables.format import GiB, MiB, fix, pct, pvm, sig, table
+
+
+def _offloaded(o: dict, unit: int) -> str:
+    """The offloaded states against the model; where the model's CPU term is another quantity (the
+    fp32 copy every rank builds first, `comparable` false) the measured bytes and that term's name."""
+    if o["predicted"] == 0 and o["measured"] == 0:
+        return "-"
+    if o["comparable"]:
+        return pvm(o, unit)
+    return f"{sig(o['measured'] / unit, 4)} (model: {o['cpu_term']})"
+
+
+def _memory_rows(rep: dict, unit: int, mode: str | None = None) -> list[list]:
+    """A row per profile: states, offloaded states, measured gradients + optimizer (all places), activations."""
+    rows = []
+    for p in rep["profiles"]:
+        m = p["measured"]
+        grads_optim = m["grads_gpu"] + m["grads_cpu"] + m["optimizer_gpu"] + m["optimizer_cpu"]
+        rows.append(([mode] if mode else []) + [
+            p["profile"], pvm(p["gpu"], unit), _offloaded(p["offload"], unit), sig(grads_optim / unit, 4),
+            pvm(p["activations"], unit)])
+    return rows
+
+
+MEMORY_COLUMNS = ["profile", "states on the accelerator", "offloaded states", "grads + optim",
+                  "activations (one micro-batch)"]
+
+
+def _memory_label(rep: dict) -> str:
+    """preset, precision, micro; Ψ (parameters) and Ψ_t (trainable, when some are frozen)."""
+    c = rep["config"]
+    trainable = f", Ψ_t {c['trainable']:,}" if "trainable" in c else ""
+    return f"{c['preset']}, {c['precision']}, micro {c['micro']}: Ψ {c['parameters']:,}{trainable}"
+
+
+def memory(files: dict) -> list[str]:
+    rep = files["memory.json"]
+    c = rep["config"]
+    out = [f"{_memory_label(rep)}; MiB per rank, predicted / measured (ratio); tolerances: states "
+           f"{pct(c['model_tolerance'])}, activations {pct(c['activation_tolerance'])}:", ""]
+    return out + table(MEMORY_COLUMNS, _memory_rows(rep, MiB))
+
+
+def memory_finetune(files: dict) -> list[str]:
+    """The fine-tuning runs (--set finetune.*) and git-rsclip-base's, one table, a group of rows per file."""
+    out = ["MiB per rank, predicted / measured (ratio); each file's first row names its run (the full tiny model: "
+           "[memory](#memory)):", ""]
+    rows = []
+    for name, rep in files.items():
+        group = _memory_rows(rep, MiB, f"`{name}` ({_memory_label(rep)})")
+        rows += group[:1] + [["", *r[1:]] for r in group[1:]]
+    return out + table(["run", *MEMORY_COLUMNS], rows)
+
+
+def memory_peak(files: dict) -> list[str]:
+    """memory_peak_base.json (the peak/*.json launches combined): measured peak against the model's, by term."""
+    rep = files["memory_peak_base.json"]
+    c = rep["config"]
+    out = [f"{c['preset']}, {c['precision']}, micro {c['micro']}; GiB per rank; tolerance "
+           f"{pct(c['peak_tolerance'])}; the terms are the model's:", ""]
+    rows = []
+    for p in rep["profiles"]:
+        for k in p["peaks"]:
+            t = k["terms"]
+            rows.append([p["profile"], k["accumulation"], fix(k["predicted"] / GiB, 3), fix(k["measured"] / GiB, 3),
+                         fix(k["ratio"], 3), fix(t["states"] / GiB, 3), fix(t["train"] / GiB, 3),
+                         fix(t["step"] / GiB, 3), fix((t["host_states"] + t["host_step"]) / GiB, 3), t["phase"]])
+    return out + table(["profile", "k", "predicted", "measured", "ratio", "states", "forward/backward (train)",
+                        "step", "host_states + host_step", "peak in"], rows)
+
+
+def build_rss(files: dict) -> list[str]:
+    """Per precision x allocator x build: parameters held and the resident set after each stage."""
+    rep = files["build_rss.json"]
+    c = rep["config"]
+    out = [f"{c['preset']}, `{c['profile']}`, {c['ranks']} ranks; GiB per rank, the larger rank:", ""]
+    g = (lambda b: fix(b / GiB, 3))
+    rows = []
+    for v in rep["variants"]:
+        m = v["max_over_ranks"]
+        rows.append([v["precision"], v["mmap_threshold"], v["build"], g(m["model"]["params_held"]),
+                     g(m["start"]["hwm"]), g(m["model"]["hwm"]), g(m["model"]["rss"]), g(m["engine"]["hwm"]),
+                     g(m["engine"]["rss"]), g(m["trimmed"]["rss"])])
+    return out + table(["precision", "mmap_threshold", "build", "params held", "start HWM", "model-build HWM",
+                        "RSS after model", "engine-build HWM", "RSS after engine", "RSS after malloc_trim"], rows)
+
+
+def checkpoint_bytes(files: dict) -> list[str]:
+    """Each file (this checkout, an older one) x ranks: bytes by kind of checkpoint file."""
+    b = (lambda r, kind: f"{r['bytes'][kind]:,}")
+    rows = [[f"`{name}`", r["ranks"], f"{r['model_states_file_bytes'][0]:,}", b(r, "deepspeed_model_states"),
+             b(r, "deepspeed_optim_states"), b(r, "rsclip_ds"), sig(r["overhead_per_rank"])]
+            for name, rep in files.items() for r in rep["runs"]]
+    steps = next(iter(files.values()))["config"]["steps"]    # ZeRO-3 and tiny: the script's fixed setting
+    head = f"ZeRO-3, tiny, {steps} steps, one checkpoint; bytes:"
+    return [head, ""] + table(["file", "ranks", "model-state file per rank", "DeepSpeed model states (all ranks)",
+                               "optimizer states", "rsclip_ds files", "overhead per rank"], rows)
+
+
+def step_faults(files: dict) -> list[str]:
+    """Minor page faults (as MB) and system time per step, per case (engine, allocator, AdamW)."""
+    rep = files["step_faults.json"]
+    c = rep["config"]
+    phases = ("forward", "backward", "step")
+    rows = [[name, ", ".join(c["cases"][name]), fix(r["mb_per_step"], 1),
+             " / ".join(fix(r["faults_per_step"][p] * 4096 / 1e6, 1) for p in phases), sig(r["sys_ms_total"])]
+            for name, r in rep["cases"].items()]
+    out = [f"Rank 0, {c['steps']} steps after {c['warmup']}, MB = minor faults x 4096 bytes:", ""]
+    return out + table(["case", "engine, allocator, AdamW", "MB faulted / step", "forward / backward / step MB",
+                        "sys ms / step"], rows)

@@ -1,0 +1,103 @@
+"""Sections of docs/results.md: benchmarks/throughput/ (our loop against a bare DeepSpeed loop and the
+Hugging Face Trainer; against open_clip's trainer) and benchmarks/gpu.py."""
+
+from __future__ import annotations
+
+from benchmarks.results_tables.format import GiB, fix, pct, sig, spread, table
+
+RUN_RATIOS = ("ours/bare", "ours/trainer")     # the two with targets (>= 0.97, > 1): one column each per run
+
+
+def throughput(files: dict) -> list[str]:
+    """throughput.json in full; every run (earlier ones too) as a row of its headline numbers."""
+    cur = files["throughput.json"]
+    c = cur["config"]
+    out = [f"{c['preset']} preset, `{c['profile']}`, {c['precision']}, micro {c['micro']} per rank x "
+           f"{cur['environment']['world_size']} ranks, {c['steps']} steps x {c['repeats']} interleaved repeats "
+           "(`throughput.json`); global samples/s on the slowest rank:", ""]
+    rate = (lambda x: sig(x, 4))
+    out += table(["loop", "samples/s median (min..max)", "CPU ms/sample", "data wait"],
+                 [[name, spread({**r, "median": r["median_samples_per_s"]}, rate), fix(r["median_cpu_ms_per_sample"]),
+                   pct(r["median_data_wait_fraction"], 1)] for name, r in cur["summary"]["loops"].items()])
+    out += table(["ratio, paired within each repeat", "wall-clock median (min..max)", "CPU time per sample"],
+                 [[n, spread(r, fix), fix(r["cpu_median"])] for n, r in cur["summary"]["ratios"].items()])
+    loops = [p["loop"] for p in cur["python_self_time"]]
+    ratio = (lambda r: "-" if r is None else f"{fix(r['median'])} / {fix(r['cpu_median'])}")
+    out += ["Per run: ratios as wall / CPU medians; Python self time per step in each loop's own code; "
+            "summary.json's rate over the steps' (with the final save):", ""]
+    out += table(["run", "wall s", *RUN_RATIOS, "loader alone, samples/s", "x what ours consumes",
+                  "Python ms/step: " + " / ".join(loops), "summary / steps"],
+                 [[f"`{name}`", sig(rep["seconds"]), *(ratio(rep["summary"]["ratios"].get(n)) for n in RUN_RATIOS),
+                   rate(rep["loader"]["samples_per_s"]), fix(rep["loader"]["headroom_over_ours"], 1),
+                   " / ".join(fix(p["self_ms_per_step"]) for p in rep["python_self_time"]),
+                   fix(rep["summary_rate_with_final_checkpoint"]["summary_over_steps"])]
+                  for name, rep in files.items()])
+    q = cur["quality"]
+    out += [f"Quality at equal compute ({q[0]['steps']} steps, global batch {q[0]['global_batch']}, "
+            f"{q[0]['num_images']} held-out pairs):", ""]
+    keys = ["i2t_R@1", "t2i_R@1", "i2t_R@5", "t2i_R@5", "mean_recall", "final_train_loss"]
+    return out + table(["negatives", *keys], [[r["negatives"], *(fix(r[k], 3) for k in keys)] for r in q])
+
+
+def openclip_tables(rep: dict) -> list[str]:
+    """The open_clip comparison (compare.py --open-clip, gpu.py --open-clip): a row per case, the
+    paired ratios ("rsclip_ds/... / open_clip/...") beside the rsclip_ds case they belong to."""
+    c, m, s = rep["config"], rep["models"], rep["summary"]
+    out = [f"Shape {c['shape']} ({m['rsclip_ds_parameters']:,} parameters in rsclip_ds, "
+           f"{m['open_clip_parameters']:,} in open_clip), micro {c['micro']} x {c['ranks']} ranks, "
+           f"{c['steps']} steps x {c['repeats']} repeats, rates over steps {c['skip'] + 1}..{c['steps']}:", ""]
+    paired: dict[str, list[str]] = {}
+    for key, r in s["ratios"].items():
+        ours, theirs = key.split(" / ")
+        paired.setdefault(ours, []).append(f"{theirs.removeprefix('open_clip/')}: {spread(r, fix)}")
+    out += table(["case", "samples/s median (min..max)", "start-up s", "minor faults / step / rank", "sys ms / step",
+                  "samples/s over open_clip's, paired per repeat: median (min..max)"],
+                 [[case, spread(r["samples_per_s"], lambda x: sig(x, 4)), sig(r["startup_s"]["median"]),
+                   sig(r["minflt_per_step_per_rank"]["median"]), sig(r["sys_ms_per_step"]["median"]),
+                   "; ".join(paired.get(case, [])) or "-"] for case, r in s["cases"].items()])
+    foreign = max(r["foreign_cpu_share"]["max"] for r in s["cases"].values())
+    return out + [f"Other processes took at most {pct(foreign, 1)} of the cores during a kept run "
+                  "(`foreign_cpu_share`).", ""]
+
+
+def throughput_openclip(files: dict) -> list[str]:
+    return openclip_tables(files["throughput_openclip.json"])
+
+
+def _gpu_cases(rep: dict) -> list[str]:
+    rows = []
+    for r in rep["cases"]:
+        if not r["ok"]:
+            rows.append([r["case"], "-", "-", "-", "-", "-", "-", r.get("error", "failed")])
+            continue
+        mem = r["peak_memory_bytes"]
+        rows.append([r["case"], sig(r["samples_per_s"], 4), sig(r["step_ms"]), sig(r["achieved_tflops"]),
+                     pct(r["mfu"], 1), pct(r["hfu"], 1), fix(mem / GiB, 1) if mem else "-",
+                     pct(r["data_wait_fraction"], 1) if r.get("data") == "loader" else ""])
+    out = table(["case", "samples/s", "step ms", "TFLOP/s", "MFU", "HFU", "peak GiB", "data wait / error"], rows)
+    if rep.get("loader_vs_tensor"):
+        out += table(["case", "tensor samples/s", "loader samples/s", "loader / tensor", "data wait", "workers"],
+                     [[p["case"], sig(p["tensor_samples_per_s"], 4), sig(p["loader_samples_per_s"], 4),
+                       fix(p["loader_over_tensor"], 3), pct(p["data_wait_fraction"], 1), p["loader_workers"]]
+                      for p in rep["loader_vs_tensor"]])
+    if rep.get("hybrid_vs_zero3"):
+        out += table(["case", "samples/s vs zero3", "final loss", "zero3 final loss"],
+                     [[p["case"], fix(p["speed_vs_zero3"], 3), fix(p["final_loss"], 4), fix(p["zero3_final_loss"], 4)]
+                      for p in rep["hybrid_vs_zero3"]])
+    return out
+
+
+def gpu(files: dict) -> list[str]:
+    """benchmarks/gpu.py's reports: its cases (and the loader and hybrid pairings when run), or,
+    from --open-clip, the open_clip comparison."""
+    if not files:
+        return ["Not measured yet: none of these files is in `benchmarks/results/`.", ""]
+    out = []
+    for name, rep in files.items():
+        if "cases" not in rep:
+            out += [f"`{name}`:", "", *openclip_tables(rep)]
+            continue
+        devices = sorted({r["device"] for r in rep["cases"] if r["ok"]})
+        out += [f"`{name}` ({', '.join(devices) or 'no case ran'}, {rep['config']['precision']}, one rank):", ""]
+        out += _gpu_cases(rep)
+    return out

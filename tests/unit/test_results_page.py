@@ -1,0 +1,143 @@
+"""docs/results.md is the render of benchmarks/results/*.json (benchmarks/render_results.py): the
+committed page equals a fresh render, its numbers move with the JSON, a results file without a
+section stops the render, and the commands it shows name flags their scripts define."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks import render_results as rr
+
+ROOT = Path(__file__).resolve().parents[2]
+ANCHORS = ["throughput", "throughput-openclip", "gpu", "memory", "memory-finetune", "memory-peak", "build-rss",
+           "checkpoint-bytes", "step-faults", "decode", "loader", "comms", "comms-hpz", "scaling", "heartbeat",
+           "contrastive", "grad-accum", "pure-bf16"]    # other docs link to these: keep them
+
+
+@pytest.fixture()
+def results(tmp_path) -> Path:
+    """A copy of benchmarks/results/ to change."""
+    return Path(shutil.copytree(rr.RESULTS, tmp_path / "results"))
+
+
+def edit(path: Path, change) -> None:
+    report = json.loads(path.read_text())
+    change(report)
+    path.write_text(json.dumps(report))
+
+
+def section(page: str, anchor: str) -> str:
+    start = page.index(f'<a id="{anchor}"></a>')
+    end = page.find("<a id=", start + 1)
+    return page[start:end if end > 0 else len(page)]
+
+
+def row(page: str, anchor: str, first_cells: str) -> str:
+    """The first table line of the section `anchor` that starts with these cells."""
+    lines = [line for line in section(page, anchor).splitlines() if line.startswith(f"| {first_cells} |")]
+    assert lines, (anchor, first_cells)
+    return lines[0]
+
+
+def test_the_committed_page_is_the_render_of_the_committed_json():
+    page = rr.render()
+    assert rr.PAGE.read_text() == page, ("docs/results.md differs from benchmarks/results/*.json: run "
+                                         "`python -m benchmarks.render_results` and commit the page")
+    assert len(page.encode()) <= rr.PAGE_LIMIT, f"docs/results.md is {len(page.encode()):,} bytes"
+    assert re.findall(r'<a id="([a-z0-9-]+)"></a>', page) == ANCHORS
+    for json_file in sorted(rr.RESULTS.rglob("*.json")):      # every file shows: by name, or by its figure
+        name = json_file.relative_to(rr.RESULTS).as_posix()
+        assert name in page or name.replace(".json", ".png") in page, name
+    assert rr.render() == page                                 # byte-stable
+
+
+@pytest.mark.parametrize("name, change, anchor, first_cells, cell", [
+    ("throughput.json", lambda r: r["summary"]["loops"]["ours"].update(median_samples_per_s=4321.25),
+     "throughput", "ours", "| 4,321 (348.0..373.2) |"),
+    ("memory.json", lambda r: r["profiles"][3]["gpu"].update(measured=7 * 2**20, ratio=2.875),
+     "memory", "zero3", "| 2.434 / 7.000 (2.88) |"),
+    ("comms_w3.json", lambda r: r["rows"][0]["engine"].update(logged=99.5 * 2**20, ratio=4.0),
+     "comms", "zero1 | 1 | plain", "| 24.14 / 99.50 (4.0000) |"),
+    ("memory_peak_base.json", lambda r: r["profiles"][0]["peaks"][1].update(measured=5 * 2**30, ratio=1.5),
+     "memory-peak", "zero1 | 4", "| 3.406 | 5.000 | 1.500 |"),
+], ids=["throughput", "memory", "comms", "memory-peak"])
+def test_a_number_on_the_page_comes_from_its_json(results, tmp_path, name, change, anchor, first_cells, cell):
+    assert cell not in row(rr.render(results), anchor, first_cells)
+    edit(results / name, change)
+    out = tmp_path / "results.md"
+    assert rr.main(["--results", str(results), "--out", str(out)]) == 0
+    assert cell in row(out.read_text(), anchor, first_cells)
+
+
+def test_a_results_file_without_a_section_stops_the_render(results, capsys):
+    (results / "new_benchmark.json").write_text(json.dumps({"environment": {}, "rows": [1, 2]}))
+    with pytest.raises(rr.ResultsError, match="new_benchmark.json: no section of docs/results.md"):
+        rr.render(results)
+    assert rr.main(["--results", str(results), "--out", str(results / "page.md")]) == 2
+    assert "new_benchmark.json" in capsys.readouterr().err
+    assert not (results / "page.md").exists()
+
+
+def test_a_file_its_section_cannot_read_names_the_section_and_the_file(results):
+    edit(results / "decode.json", lambda r: r.pop("results"))
+    with pytest.raises(rr.ResultsError, match=r"section 'decode' cannot read decode.json: KeyError"):
+        rr.render(results)
+
+
+def test_check_reports_a_stale_page_with_the_command_that_fixes_it(results, tmp_path, capsys):
+    page = tmp_path / "results.md"
+    page.write_text(rr.render(results))
+    assert rr.main(["--check", "--results", str(results), "--out", str(page)]) == 0
+    edit(results / "heartbeat.json", lambda r: r["runs"][0].update(requests_per_s=123456.0))
+    assert rr.main(["--check", "--results", str(results), "--out", str(page)]) == 1
+    err = capsys.readouterr().err
+    assert "is stale: 2 lines differ" in err and "python -m benchmarks.render_results" in err
+    assert "123,456" in err
+
+
+def test_a_gpu_report_fills_the_gpu_section(results):
+    """gpu.py's rows as benchmarks/gpu.py writes them (fields of a CPU smoke run, numbers changed)."""
+    case = {"case": "git-rsclip-base/zero2/no-ac/micro256", "preset": "git-rsclip-base", "profile": "zero2",
+            "checkpointing": False, "micro": 256, "data": "tensor", "ok": True, "device": "NVIDIA H200",
+            "samples_per_s": 1987.4, "step_ms": 128.8, "achieved_tflops": 276.2, "mfu": 0.2793, "hfu": 0.2793,
+            "data_wait_fraction": 0.0, "peak_memory_bytes": 61 * 2**30}
+    failed = {"case": "git-rsclip-large/zero3/ac/micro128", "ok": False, "error": "timed out | (raise --case-timeout)"}
+    (results / "gpu_h200.json").write_text(json.dumps({
+        "config": {"precision": "bf16"}, "environment": {"cpu_count": 16, "torch": "2.13.0"},
+        "cases": [case, failed], "loader_vs_tensor": [], "hybrid_vs_zero3": []}))
+    page = rr.render(results)
+    gpu = section(page, "gpu")
+    assert "Not measured yet" not in gpu and "`gpu_h200.json` (NVIDIA H200, bf16, one rank)" in gpu
+    assert "| 1,987 | 129 | 276 | 27.9% | 27.9% | 61.0 |" in row(page, "gpu", case["case"])
+    assert row(page, "gpu", failed["case"]).endswith("| timed out \\| (raise --case-timeout) |")   # its pipe escaped
+
+
+def _flag_sources(module: str) -> str:
+    """The text of benchmarks/<module>.py, the harness and the benchmarks modules it imports."""
+    path = ROOT / "benchmarks" / (module.replace(".", "/") + ".py")
+    assert path.exists(), f"{module}: no {path}"
+    text = path.read_text() + (ROOT / "benchmarks" / "harness.py").read_text()
+    for package, names in re.findall(r"from benchmarks\.([\w.]+) import \(?([\w, ]+)", path.read_text()):
+        for dotted in [package, *(f"{package}.{n.split(' as ')[0].strip()}" for n in names.split(",") if n.strip())]:
+            other = ROOT / "benchmarks" / (dotted.replace(".", "/") + ".py")
+            text += other.read_text() if other.exists() else ""
+    return text
+
+
+@pytest.mark.parametrize("source", [s for f in rr.FAMILIES for s in f.sources if s.command],
+                         ids=lambda s: s.pattern)
+def test_each_command_on_the_page_names_a_script_and_flags_it_defines(source):
+    module = re.search(r"benchmarks\.([\w.]+)", source.command).group(1)
+    text = _flag_sources(module)
+    flags = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", source.command)) - {"--num_gpus", "--module"}
+    assert flags, source.command
+    missing = sorted(f for f in flags if f'"{f}"' not in text)
+    assert not missing, f"{source.command}: {missing} not defined by benchmarks.{module}"
+    out = re.search(r"--out ([^\s;]+)", source.command).group(1)
+    assert fnmatch.fnmatchcase(out, f"benchmarks/results/{source.pattern}"), f"{source.command} does not write it"
