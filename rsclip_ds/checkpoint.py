@@ -1,6 +1,6 @@
 """Checkpoints: DeepSpeed save/resume behind our own atomic pointer, consolidation, HF export.
 
-Layout (docs/checkpoints.md):
+Layout (docs/reference/file-formats.md):
 
     {output_dir}/checkpoints/
         rsclip_latest             our pointer: the tag of the newest checkpoint every rank finished
@@ -175,7 +175,7 @@ def load_meta(root: Path, tag: str) -> dict[str, Any]:
 def weights_only_loads():
     """Force `torch.load(weights_only=True)` inside DeepSpeed's loaders, which pass
     weights_only=False. The allow-list holds what DeepSpeed 0.19 pickles besides tensors and
-    containers (see docs/checkpoints.md); anything else fails to load instead of running."""
+    containers (see docs/guides/checkpoints.md); anything else fails to load instead of running."""
     original = torch.load
 
     def safe_load(*args, **kwargs):

@@ -89,7 +89,7 @@ class DataConfig(_Strict):
     policy: Literal["exact", "resampled"] = Field(
         "exact", description="Epoch policy. 'exact': every epoch reshuffles the shard list and splits it by "
         "rank then worker; every rank gets the same number of batches, the samples of the fuller streams "
-        "beyond that are dropped for this epoch (at most about one shard per worker; see docs/data.md). "
+        "beyond that are dropped for this epoch (at most about one shard per worker; see docs/guides/data.md). "
         "'resampled': every worker draws shards with replacement; an epoch is `epoch_batches` batches.")
     epoch_batches: Optional[int] = Field(
         None, ge=1, description="'resampled' only: batches per rank per epoch (default: all samples in "
@@ -113,7 +113,7 @@ class DataConfig(_Strict):
     jpeg_draft: bool = Field(True, description="The fast training decode: colour JPEGs through simplejpeg, at a "
                              "reduced DCT scale when at least twice the needed size, squashed with torch's uint8 "
                              "bicubic (3-4x a PIL decode + resize per core; pixels within 2 grey levels of PIL's "
-                             "resize, more where the DCT scale is taken: docs/data.md). Evaluation always decodes "
+                             "resize, more where the DCT scale is taken: docs/guides/data.md). Evaluation always decodes "
                              "and resizes with PIL, as transformers does. false: training pixels equal evaluation's.")
     max_bad_fraction: float = Field(
         0.05, ge=0, le=1, description="Stop with an error when more than this fraction of the samples (or of "
@@ -248,21 +248,21 @@ class Bf16Config(_Strict):
         "parameter with the bf16 weight and gradient). 'bf16': open_clip's pure_bf16, DeepSpeed's "
         "bf16_master_weights_and_grads + bf16_optimizer_states: no fp32 copy, 10 bytes per trainable "
         "parameter (DeepSpeed keeps a bf16 master beside the bf16 weight), but an update below half a bf16 "
-        "step of its weight is lost (docs/precision.md: profiles, bytes, measured quality). ZeRO-1/2/3; the "
+        "step of its weight is lost (docs/guides/precision.md: profiles, bytes, measured quality). ZeRO-1/2/3; the "
         "offload profiles need optim.impl=deepspeed on CPU ranks.")
     grad_accum_dtype: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="bf16 only: the dtype DeepSpeed accumulates gradients in across micro-batches "
         "(its `data_types.grad_accum_dtype`). 'fp32' keeps the sum in fp32 (ZeRO-1 then runs DeepSpeed's "
         "BF16_Optimizer, with a whole fp32 gradient copy per GPU; ZeRO-2/3 an fp32 gradient partition); "
         "'bf16' sums in bf16. 'auto': fp32 for ZeRO-2 and ZeRO-3, bf16 for ZeRO-1 and ZeRO-2 with optimizer "
-        "offload, where fp32 costs GPU memory the others do not pay (docs/precision.md: the measurement, "
+        "offload, where fp32 costs GPU memory the others do not pay (docs/guides/precision.md: the measurement, "
         "the rule and the bytes); bf16 with master_weights=bf16.")
 
 
 class LoggingConfig(_Strict):
     log_every: int = Field(10, ge=1, description="Optimizer steps between log lines / progress updates. "
                            "Each log step rank 0 also appends a line to {output_dir}/metrics.jsonl and "
-                           "writes the monitor events (docs/monitoring.md).")
+                           "writes the monitor events (docs/guides/monitoring.md).")
     progress: Literal["auto", "rich", "plain"] = Field(
         "auto", description="'rich' live progress, 'plain' log lines, 'auto': rich on a terminal.")
     tensorboard: bool = Field(
@@ -404,9 +404,9 @@ class RunConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation during training "
                              "(zero-shot classification, retrieval).")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig,
-                                         description="Checkpoints and resume (docs/checkpoints.md).")
+                                         description="Checkpoints and resume (docs/guides/checkpoints.md).")
     faults: FaultConfig = Field(default_factory=FaultConfig,
-                                description="Dead ranks, SIGTERM, non-finite losses (docs/checkpoints.md).")
+                                description="Dead ranks, SIGTERM, non-finite losses (docs/guides/checkpoints.md).")
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":

@@ -271,7 +271,7 @@ def _run_values(run: RunConfig, sizes: BatchSizes, on_gpu: bool, offload: bool) 
 
 
 def auto_grad_accum_dtype(profile: Profile) -> str:
-    """What bf16.grad_accum_dtype='auto' means for a profile. The rule (docs/precision.md, measured
+    """What bf16.grad_accum_dtype='auto' means for a profile. The rule (docs/guides/precision.md, measured
     by benchmarks/precision/grad_accum.py): fp32 where, at k = 8 micro-batches, it brings the gradient closer
     to the fp32 big-batch one (it does at every stage) AND costs at most 2 bytes per trainable
     parameter / G of GPU memory and no bytes on the wire. ZeRO-2 and ZeRO-3 pass: their gradient
@@ -429,7 +429,7 @@ def monitor_sections(run: RunConfig, profile: Profile) -> dict[str, Any]:
             raise ConfigError(f"logging.{switch}=true needs the {package!r} package: pip install {package} "
                               f"(or --set logging.{switch}=false)")
         if switch == "wandb":
-            # offline: the trainer sets WANDB_MODE / WANDB_DIR (docs/monitoring.md)
+            # offline: the trainer sets WANDB_MODE / WANDB_DIR (docs/guides/monitoring.md)
             sections[section] = {"enabled": True, "project": run.logging.wandb_project}
         else:
             sections[section] = {"enabled": True, "output_path": str(root), "job_name": folder}

@@ -9,7 +9,7 @@
 Trainer.build sees the saved world size before it builds the engine (`needs_universal`) and
 builds it from `universal_ds_config`; `load_resharded` then converts on rank 0 (once), waits
 for it on every rank, loads the new partitions, repairs what DeepSpeed 0.19.8's ZeRO-3 load
-gets wrong and makes each new rank's client state (docs/checkpoints.md, "Resume on another
+gets wrong and makes each new rank's client state (docs/guides/checkpoints.md, "Resume on another
 number of ranks").
 """
 

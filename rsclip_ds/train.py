@@ -135,7 +135,7 @@ class TrainResult:
 
 
 class RunStopped(RuntimeError):
-    """The run ended early on purpose; `exit_code` is the process exit status (docs/checkpoints.md)."""
+    """The run ended early on purpose; `exit_code` is the process exit status (docs/guides/checkpoints.md)."""
     exit_code = 1
 
 

@@ -20,7 +20,7 @@ never moved, and the final logit scale and bias. Then the mean over seeds per mo
 
 Full: 300 steps x 3 modes x seeds 0-3 (~8 minutes on 2 CPU ranks of 2 cores); --tiny: 6 steps,
 micro 8, one seed (~1 minute, used by tests/integration/test_benchmark_pure_bf16.py). Writes the
-JSON given by --out and a PNG beside it; rank 0 prints the table. Measured here: docs/precision.md.
+JSON given by --out and a PNG beside it; rank 0 prints the table. Measured here: docs/guides/precision.md.
 """
 
 from __future__ import annotations

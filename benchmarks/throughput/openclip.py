@@ -57,7 +57,7 @@ OPENCLIP_PRECISIONS = ("fp32", "amp_bf16", "pure_bf16")
 # and optimizer state as DeepSpeed's bf16 does (fp32 masters); pure_bf16 holds bf16 weights and
 # AdamW states, no fp32 copy: less work per step, another numerical recipe.
 PAIRED = {"fp32": ("fp32",), "bf16": ("amp_bf16", "pure_bf16"), "bf16_masters": ("pure_bf16",)}
-# rsclip_ds's pure-bf16 recipe: bf16 masters and AdamW states (docs/precision.md)
+# rsclip_ds's pure-bf16 recipe: bf16 masters and AdamW states (docs/guides/precision.md)
 RSCLIP_SETS = {"fp32": ["precision=fp32"], "bf16": ["precision=bf16"],
                "bf16_masters": ["precision=bf16", "bf16.master_weights=bf16"]}
 

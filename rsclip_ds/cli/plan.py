@@ -58,7 +58,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--master-weights", default="fp32", choices=["fp32", "bf16"],
                    help="the run's bf16.master_weights: bf16 keeps no fp32 master copy (10 instead of 16 bytes "
-                        "per trainable parameter; --precision bf16 only; docs/precision.md)")
+                        "per trainable parameter; --precision bf16 only; docs/guides/precision.md)")
     p.add_argument("--loss", default="siglip", choices=["siglip", "clip"])
     p.add_argument("--negatives", default="global", choices=["global", "local"])
     p.add_argument("--accumulation", default="global", choices=["global", "plain"])

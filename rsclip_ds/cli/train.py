@@ -1,6 +1,6 @@
 """`rsclip-ds train`: parse, load the config, hand it to the Trainer, map outcomes to exit codes.
 
-Exit codes (docs/checkpoints.md): 0 done, 2 bad config, 3 non-finite loss, 4 a rank died (from
+Exit codes (docs/reference/exit-codes.md): 0 done, 2 bad config, 3 non-finite loss, 4 a rank died (from
 the heartbeat thread), 5 too much bad data, 75 stopped by SIGTERM after saving a checkpoint.
 """
 

@@ -11,7 +11,7 @@
     shard_writer.py  caption datasets as users have them -> shards + index (make-shards)
     synthetic.py     synthetic overhead-imagery shards and evaluation sets (make-synthetic)
 
-Full guide: docs/data.md.
+Full guide: docs/guides/data.md.
 """
 
 from rsclip_ds.data.bad import BAD_KINDS, DataError, StreamCounter

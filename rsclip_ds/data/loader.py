@@ -1,6 +1,6 @@
 """Streaming training data: webdataset tar shards -> decoded, tokenized, full micro-batches.
 
-Full guide: docs/data.md. In short:
+Full guide: docs/guides/data.md. In short:
 
 The parts: shard specs and counts (sources.py), which shards each rank and worker reads per
 epoch (schedule.py), tar reading (tar.py), decoding and augmentation (transforms.py), bad-data
@@ -340,7 +340,7 @@ class TrainLoader:
 def _ignore_sigterm(_worker_id: int) -> None:
     """Workers outlive the first SIGTERM: the launcher and schedulers signal a rank's whole
     process tree, and a worker dying of it made the rank raise instead of saving its
-    pre-emption checkpoint (docs/checkpoints.md). A second SIGTERM -- the DataLoader's or
+    pre-emption checkpoint (docs/guides/checkpoints.md). A second SIGTERM -- the DataLoader's or
     multiprocessing's terminate() at shutdown -- ends the worker as usual."""
     def first(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

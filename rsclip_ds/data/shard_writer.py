@@ -1,6 +1,6 @@
 """`rsclip-ds make-shards`: caption datasets as users have them -> webdataset shards + index.
 
-Three inputs (docs/data.md has examples):
+Three inputs (docs/guides/data.md has examples):
   --karpathy dataset_rsicd.json --images DIR    RSICD / UCM / Sydney / RSITMD caption JSON:
                                                 images[].filename, .split, .sentences[].raw
   --table captions.csv|.jsonl [--images DIR]    one row per (image, caption); columns named by

@@ -8,7 +8,7 @@ augmentation off. Training takes a faster path (``fast``, on with ``data.jpeg_dr
 least twice the size needed decode at a reduced DCT scale (PIL's draft rule; ~2x faster for
 AID-sized tiles, pixels change slightly against a full decode), colour JPEGs decode through
 simplejpeg (bit for bit PIL's decode), and the squash is torch's uint8 antialiased bicubic
-(~7x faster than PIL's, within 2 grey levels of it). docs/data.md ("JPEG decoding") gives the
+(~7x faster than PIL's, within 2 grey levels of it). docs/guides/data.md ("JPEG decoding") gives the
 measured differences and speeds; ``data.jpeg_draft=false`` takes PIL's path, making training
 pixels bit-identical to evaluation's (tests/unit/test_transforms.py). Pixels leave as uint8, for
 both: the model normalises them on the device (model.normalize_pixels); ``Normalize`` is its

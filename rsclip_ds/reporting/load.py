@@ -3,7 +3,7 @@
 Each rank measures its own window (the optimizer steps since the last log line) on the host
 clock; the loop folds the three numbers into the sync point's one all-reduce (train._sync), so
 measuring adds no collective and no host sync. What the numbers mean under synchronous data
-parallelism (docs/monitoring.md): every step ends in a gradient reduction that all ranks wait
+parallelism (docs/guides/monitoring.md): every step ends in a gradient reduction that all ranks wait
 at, so the ranks' step times agree to within noise, and a rank whose loader is slow shows up as
 its own high data-wait fraction, the others waiting for it inside the step's collectives.
 """

@@ -9,7 +9,7 @@ Every line is flushed when written, so a run killed by SIGKILL keeps its lines u
 log step (a machine crash may lose what the OS had not written yet). Each process start appends
 a marker line ({"event": "start"} or {"event": "resume", "step": N}); readers keep, for each
 step, the line written last (a resumed run repeats the steps since its checkpoint). The schema
-is in docs/monitoring.md.
+is in docs/guides/monitoring.md.
 """
 
 from __future__ import annotations
