@@ -55,7 +55,7 @@ def train_tokenizer_command(args) -> int:
 
 def _register_make_shards(sub) -> None:
     p = sub.add_parser("make-shards", help="write webdataset shards from a caption JSON, a CSV/JSONL "
-                       "table or an image folder with .txt captions")
+                       "table, an image folder with .txt captions or a Hugging Face dataset (Git-10M)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--karpathy", type=Path, help="Karpathy-style caption JSON (RSICD, UCM, Sydney, RSITMD)")
     src.add_argument("--table", type=Path, help="CSV/TSV (header row) or JSONL of image path + caption")

@@ -94,7 +94,8 @@ def test_cli_page_has_every_command_and_flag():
                 if flag not in ("-h", "--help"):
                     assert flag in section, f"{name}: {flag} missing"
     assert "`--gpus-per-node, --gpus GPUS` | GPUs per node (required) |" in page
-    assert "rsclip-ds make-shards --out OUT (--karpathy KARPATHY | --table TABLE | --folder FOLDER) [options]" in page
+    assert ("rsclip-ds make-shards --out OUT (--karpathy KARPATHY | --table TABLE | --folder FOLDER | "
+            "--hf-dataset FOLDER_OR_ID) [options]") in page
 
 
 def test_show_config_markdown_writes_the_page(tmp_path, capsys):
