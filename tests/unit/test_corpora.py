@@ -1,6 +1,9 @@
 """The field's corpora as published (tests/corpora.py builds them): the filter language,
 Git-10M from a hub-layout folder / save_to_disk / a hub cache, SkyScript CSVs, Sentinel-2
-GeoTIFFs, workers and resume byte-identical, and data.where at load time."""
+GeoTIFFs, workers and resume byte-identical, and data.where at load time.
+
+Everything runs in this process (the CLI through ``main(argv)``), in seconds; the one test that
+SIGKILLs a real conversion process is marked slow."""
 
 from __future__ import annotations
 
@@ -11,11 +14,13 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from rsclip_ds.config import ConfigError, DataConfig
+from rsclip_ds.cli import main
+from rsclip_ds.config import DataConfig
 from rsclip_ds.data.bad import StreamCounter
 from rsclip_ds.data.convert import convert
 from rsclip_ds.data.geotiff import BandChoice, BandsError, to_rgb
@@ -44,11 +49,26 @@ def _shard_bytes(out: Path, prefix: str = "train") -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.glob(f"{prefix}-*.tar"))}
 
 
-def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m rsclip_ds` on the tree under test (not what an editable install points at)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "rsclip_ds", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+def _cli(capsys, *args: str) -> SimpleNamespace:
+    """`rsclip-ds ARGS` in this process: its exit code, stdout and stderr."""
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch) -> Path:
+    """A Hugging Face cache read under HF_HUB_OFFLINE=1 (the constants huggingface_hub read from
+    the environment at import, patched as test_published_checkpoint.py does) -> the cache."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
 
 
 # --------------------------------------------------------------------------- the filter language
@@ -117,28 +137,26 @@ def test_git10m_folder_to_shards_keeps_bytes_metadata_and_counts_skips(git10m, t
     assert any(f"row {corrupt[0]}:" in e for e in report["skipped_examples"]["corrupt_image"])
 
 
-def test_git10m_save_to_disk_and_hub_cache_give_the_same_shards(git10m, tmp_path, monkeypatch):
+def test_git10m_save_to_disk_and_hub_cache_give_the_same_shards(git10m, tmp_path, offline_hub, capsys):
     direct = tmp_path / "direct"
     convert(resolve_hf_dataset(str(git10m)), direct, shard_size=16, progress=False)
     saved = tmp_path / "saved"
     git10m_dataset(N).save_to_disk(str(saved))
     convert(resolve_hf_dataset(str(saved)), tmp_path / "from_saved", shard_size=16, progress=False)
     assert _shard_bytes(tmp_path / "from_saved") == _shard_bytes(direct)
-    # a hub id from the standard cache, offline (the cli launches below read HF_HUB_OFFLINE there)
-    cache = tmp_path / "hub"
-    write_hub_cache(cache, "lcybuaa/Git-10M", git10m)
-    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    proc = _cli("make-shards", "--hf-dataset", "lcybuaa/Git-10M", "--out", str(tmp_path / "hub_out"),
-                "--shard-size", "16", env=env)
+    # a hub id from the standard cache, offline
+    write_hub_cache(offline_hub, "lcybuaa/Git-10M", git10m)
+    proc = _cli(capsys, "make-shards", "--hf-dataset", "lcybuaa/Git-10M", "--out", str(tmp_path / "hub_out"),
+                "--shard-size", "16")
     assert proc.returncode == 0, proc.stderr
     assert _shard_bytes(tmp_path / "hub_out") == _shard_bytes(direct)
     index = json.loads((tmp_path / "hub_out" / "index.json").read_text())
     assert index["splits"]["train"]["source"]["commit"] == "feedfacefeedfacefeedfacefeedfacefeedface"
-    proc = _cli("make-shards", "--hf-dataset", "lcybuaa/Git-99M", "--out", str(tmp_path / "x"), env=env)
-    assert proc.returncode != 0 and "HF_HUB_OFFLINE" in proc.stderr and str(cache) in proc.stderr
+    proc = _cli(capsys, "make-shards", "--hf-dataset", "lcybuaa/Git-99M", "--out", str(tmp_path / "x"))
+    assert proc.returncode == 2 and "HF_HUB_OFFLINE" in proc.stderr and str(offline_hub) in proc.stderr
 
 
-def test_bad_input_errors_name_the_fix(git10m, tmp_path):
+def test_bad_input_errors_name_the_fix(git10m, tmp_path, capsys):
     src = resolve_hf_dataset(str(git10m))
     with pytest.raises(ValueError, match=r"no column 'captoin'; its columns: \['image', 'img_name'"):
         convert(src, tmp_path / "a", spec=RowSpec(caption_columns=("captoin",)), progress=False)
@@ -147,50 +165,80 @@ def test_bad_input_errors_name_the_fix(git10m, tmp_path):
     with pytest.raises(ValueError, match="no split 'test'"):
         resolve_hf_dataset(str(git10m), split="test")
     parquet = next((git10m / "data").glob("*.parquet"))
-    proc = _cli("make-shards", "--table", str(parquet), "--out", str(tmp_path / "t"))
-    assert proc.returncode != 0 and "is a parquet file" in proc.stderr and "--hf-dataset" in proc.stderr
+    proc = _cli(capsys, "make-shards", "--table", str(parquet), "--out", str(tmp_path / "t"))
+    assert proc.returncode == 2 and "is a parquet file" in proc.stderr and "--hf-dataset" in proc.stderr
     assert "utf-8" not in proc.stderr
 
 
-def test_workers_and_a_sigkilled_resume_write_the_same_bytes(git10m, tmp_path):
+class _Killed(BaseException):
+    """Stands for a kill: not an Exception, so nothing in convert() handles it."""
+
+
+def _reference(git10m: Path, out: Path) -> Path:
+    convert(resolve_hf_dataset(str(git10m)), out, shard_size=8, progress=False, chunk_rows=7)
+    return out
+
+
+def test_workers_and_an_interrupted_resume_write_the_same_bytes(git10m, tmp_path):
     src = resolve_hf_dataset(str(git10m))
-    one = tmp_path / "one"
-    convert(src, one, shard_size=8, progress=False, chunk_rows=7)
+    one = _reference(git10m, tmp_path / "one")
     convert(src, tmp_path / "two", shard_size=8, workers=2, progress=False, chunk_rows=7)
     assert _shard_bytes(tmp_path / "two") == _shard_bytes(one)
     assert (tmp_path / "two" / "index.json").read_bytes() == (one / "index.json").read_bytes()
-    # SIGKILL mid-shard (row 37: shards 0-2 complete, the fourth half written), then the same command
+    # stopped at row 37 (shards 0-2 complete, the fourth half written), then the same call again
+    cut = tmp_path / "cut"
+
+    def stop(i):
+        if i == 37:
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        convert(src, cut, shard_size=8, progress=False, chunk_rows=7, on_row=stop)
+    progress = json.loads((cut / "train-progress.json").read_text())
+    assert len(progress["shards"]) >= 2 and 0 < progress["rows_done"] < 37
+    # what a SIGKILL leaves besides (the slow test below kills a real process): a torn shard and
+    # a complete one the progress file does not vouch for yet
+    (cut / "train-000003.tar.partial").write_bytes(b"torn")
+    (cut / f"train-{len(progress['shards']):06d}.tar").write_bytes(b"not vouched for")
+    info = convert(src, cut, shard_size=8, progress=False, chunk_rows=7)
+    assert not list(cut.glob("*.partial")) and not (cut / "train-progress.json").exists()
+    assert _shard_bytes(cut) == _shard_bytes(one)
+    assert json.loads((cut / "index.json").read_text()) == json.loads((one / "index.json").read_text())
+    assert info["skipped"] == json.loads((one / "train-report.json").read_text())["skipped"]
+    assert json.loads((cut / "train-report.json").read_text())["resumed_at_row"] == progress["rows_done"]
+    # other options against the interrupted run's progress: refused, naming --restart
+    (cut / "train-progress.json").write_text(json.dumps(progress))
+    with pytest.raises(ValueError, match="--restart"):
+        convert(src, cut, shard_size=5, progress=False)
+    convert(src, cut, shard_size=8, progress=False, restart=True)
+    assert _shard_bytes(cut) == _shard_bytes(one)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_conversion_resumes_byte_identical(git10m, tmp_path):
+    """A real SIGKILL mid-shard (row 37) of a conversion process, then the same call again."""
     killed = tmp_path / "killed"
-    code = ("import os, signal, sys; from rsclip_ds.data.convert import convert; "
+    code = ("import os, signal; from rsclip_ds.data.convert import convert; "
             "from rsclip_ds.data.hf_source import resolve_hf_dataset as r; "
             f"convert(r({str(git10m)!r}), {str(killed)!r}, shard_size=8, progress=False, chunk_rows=7, "
             "on_row=lambda i: os.kill(os.getpid(), signal.SIGKILL) if i == 37 else None)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          timeout=120)
     assert proc.returncode == -9
     progress = json.loads((killed / "train-progress.json").read_text())
     assert len(progress["shards"]) >= 2 and 0 < progress["rows_done"] < 37
     assert list(killed.glob("*.partial"))                      # the torn shard is there ...
-    info = convert(src, killed, shard_size=8, progress=False, chunk_rows=7)
+    convert(resolve_hf_dataset(str(git10m)), killed, shard_size=8, progress=False, chunk_rows=7)
     assert not list(killed.glob("*.partial")) and not (killed / "train-progress.json").exists()   # ... and gone
-    assert _shard_bytes(killed) == _shard_bytes(one)
-    assert json.loads((killed / "index.json").read_text()) == json.loads((one / "index.json").read_text())
-    assert info["skipped"] == json.loads((one / "train-report.json").read_text())["skipped"]
-    report = json.loads((killed / "train-report.json").read_text())
-    assert report["resumed_at_row"] == progress["rows_done"]
-    # other options against the interrupted run's progress: refused, naming --restart
-    (killed / "train-progress.json").write_text(json.dumps({**progress}))
-    with pytest.raises(ValueError, match="--restart"):
-        convert(src, killed, shard_size=5, progress=False)
-    convert(src, killed, shard_size=8, progress=False, restart=True)
-    assert _shard_bytes(killed) == _shard_bytes(one)
+    assert _shard_bytes(killed) == _shard_bytes(_reference(git10m, tmp_path / "one"))
 
 
 # --------------------------------------------------------------------------- SkyScript, GeoTIFF
 
-def test_skyscript_csv_keeps_both_captions_the_score_and_filters_on_it(tmp_path):
+def test_skyscript_csv_keeps_both_captions_the_score_and_filters_on_it(tmp_path, capsys):
     csv_path = write_skyscript_csv(tmp_path / "sky", n=12)
     out = tmp_path / "out"
-    proc = _cli("make-shards", "--table", str(csv_path), "--path-column", "filepath", "--caption-column",
+    proc = _cli(capsys, "make-shards", "--table", str(csv_path), "--path-column", "filepath", "--caption-column",
                 "title,title_multi_objects", "--where", "similarity_CLIP_openai >= 0.3", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -204,7 +252,7 @@ def test_skyscript_csv_keeps_both_captions_the_score_and_filters_on_it(tmp_path)
     assert meta["similarity_CLIP_openai"] == pytest.approx(0.2 + 0.02 * i) and isinstance(meta["similarity_CLIP_openai"], float)
 
 
-def test_sentinel2_bands_in_make_shards_and_eval_transform(tmp_path):
+def test_sentinel2_bands_in_make_shards_and_eval_transform(tmp_path, capsys):
     root = write_eurosat_ms(tmp_path / "ms", per_class=2)
     tif = next(root.rglob("*.tif"))
     data = tif.read_bytes()
@@ -225,9 +273,9 @@ def test_sentinel2_bands_in_make_shards_and_eval_transform(tmp_path):
     # make-shards --folder with --bands: PNG of the chosen bands; without: an error naming --bands
     for i, p in enumerate(sorted(root.rglob("*.tif"))):
         p.with_suffix(".txt").write_text(f"a sentinel-2 image {i}\n")
-    proc = _cli("make-shards", "--folder", str(root), "--out", str(tmp_path / "no"))
-    assert proc.returncode != 0 and "--bands" in proc.stderr
-    proc = _cli("make-shards", "--folder", str(root), "--out", str(tmp_path / "s"), "--bands", "4,3,2",
+    proc = _cli(capsys, "make-shards", "--folder", str(root), "--out", str(tmp_path / "no"))
+    assert proc.returncode == 2 and "--bands" in proc.stderr
+    proc = _cli(capsys, "make-shards", "--folder", str(root), "--out", str(tmp_path / "s"), "--bands", "4,3,2",
                 "--band-scale", "range:0,3000")
     assert proc.returncode == 0, proc.stderr
     members = _members(tmp_path / "s" / "train-000000.tar")
