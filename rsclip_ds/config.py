@@ -118,7 +118,10 @@ class DataConfig(_Strict):
         1000, ge=0, description="Samples a rank reads before max_bad_fraction is checked.")
     where: Optional[str] = Field(None, description="Keep only samples whose JSON member satisfies this filter, "
                                  "e.g. 'img_quality_score >= 0.5 and resolution <= 2' (make-shards --where's "
-                                 "language, docs/guides/corpora.md); dropped ones count as filtered_out.")
+                                 "language, docs/guides/corpora.md); dropped ones count as filtered_out. 'exact': "
+                                 "the samples it keeps per shard are counted at start-up (the tars' JSON members, "
+                                 "split over the ranks, cached in {output_dir}/where-counts/) and size the epochs; "
+                                 "remote (pipe:, http) shards need 'resampled', whose epoch_batches counts all samples.")
 
     @model_validator(mode="after")
     def _weights(self) -> "DataConfig":

@@ -193,7 +193,7 @@ class Trainer:
                 run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
                 max_text_length=bundle.max_text_length, micro_batch_size=batch.micro,
                 rank=info.rank, world_size=info.world_size, seed=run.seed, local_world_size=info.local_world_size,
-                state=resume["data"] if resume else None)
+                state=resume["data"] if resume else None, cache_dir=run.output_dir)
             if self.loader is None:   # its workers hand batches over /dev/shm: fail now, not with SIGBUS later
                 check_shared_memory(loader, held=batch.accumulation, local_ranks=info.local_world_size)
         if self.wrap_loader is not None:

@@ -40,6 +40,8 @@ import os
 import random
 import shutil
 import signal
+from functools import partial
+from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
@@ -48,6 +50,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from rsclip_ds.config import ConfigError, DataConfig
 from rsclip_ds.data.bad import BAD_KINDS, DataError, StreamCounter, check_bad_fraction
+from rsclip_ds.data.filter_counts import kept_counts, kept_counts_over_ranks
 from rsclip_ds.data.remap import READABLE_VERSIONS, STATE_VERSION, Remap, remap_state
 from rsclip_ds.data.schedule import EpochSchedule, build_epoch_schedule, derive_seed
 from rsclip_ds.data.sources import shard_counts, shard_counts_from_rank0
@@ -267,7 +270,7 @@ class TrainLoader:
                  "saved run", "rank": "load the state saved by this rank", "micro_batch_size": "keep "
                  "batch.micro_batch_size", "streams": "keep data.num_workers (streams per rank), or set it "
                  "to auto, which takes the saved count",
-                 "shards": "keep data.train_shards / data.train_weights and the shard sample counts (index JSON)", "policy": "keep data.policy",
+                 "shards": "keep data.train_shards / data.train_weights / data.where and the shard sample counts (index JSON)", "policy": "keep data.policy",
                  "epoch_batches": "keep data.epoch_batches", "version": "resume with the same rsclip_ds",
                  "shuffle_buffer": "keep data.shuffle_buffer"}
         saved = {k: state.get(k) for k in fixes}
@@ -388,7 +391,7 @@ def _is_rank_of_group(rank: int, world_size: int) -> bool:
 def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_length: int,
                        micro_batch_size: int, rank: int, world_size: int, seed: int,
                        return_keys: bool = False, state: dict | None = None, local_world_size: int = 1,
-                       cores: int | None = None) -> TrainLoader:
+                       cores: int | None = None, cache_dir: str | Path | None = None) -> TrainLoader:
     """Endless iterable of full micro-batches for ``rank`` (see the module docstring).
 
     ``local_world_size`` (ranks on this node) and ``cores`` (default: this process's
@@ -397,13 +400,17 @@ def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_
     a state saved with another seed, world size, worker count, shard list or micro batch is a
     ValueError that names the difference. ``state={"remap_from": [s_0, ..., s_{W-1}]}`` (every
     old rank's state, by old rank) continues a run saved on W ranks on ``world_size`` ranks, with
-    any workers and micro batch (remap.py; seed, shards, policy must match)."""
+    any workers and micro batch (remap.py; seed, shards, policy must match). ``cache_dir`` (the
+    run's output_dir): where 'exact' + data.where caches the kept counts (filter_counts.py)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
     workers, why = _requested_workers(cfg, state, available_cores() if cores is None else cores, local_world_size)
+    group = _is_rank_of_group(rank, world_size)
+    kept = partial(kept_counts_over_ranks if group else kept_counts,
+                   cache_dir=None if cache_dir is None else Path(cache_dir))
     schedule = build_epoch_schedule(cfg, micro_batch_size=micro_batch_size, world_size=world_size, seed=seed,
-                                    num_workers=workers, read_counts=shard_counts_from_rank0
-                                    if _is_rank_of_group(rank, world_size) else shard_counts)
+                                    num_workers=workers, read_counts=shard_counts_from_rank0 if group else shard_counts,
+                                    read_kept=kept)
     used, shards = schedule.workers_of(rank), len(range(rank, len(schedule.urls), world_size))
     if why and rank == 0:
         log.info("data.num_workers=auto: %d worker(s) per rank (%s)%s", workers, why,

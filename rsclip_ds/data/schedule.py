@@ -6,7 +6,9 @@ rank r takes shards[r::W], worker w takes [w::K]. Every rank delivers the same n
 batches in epoch e: the largest N that every stream can fill, given that the DataLoader takes
 batch i of the rank from worker i % K. What a fuller stream holds beyond its share is dropped for
 that epoch (less than about one shard per stream); the next epoch's reshuffle drops other
-samples. Policy 'resampled': every worker draws shards with replacement from its own seeded
+samples. Under data.where the counts that size the epoch are the samples the filter keeps
+(``kept``, counted at start-up by filter_counts.py), so a filtered stream fills its quota in one
+pass over its shards. Policy 'resampled': every worker draws shards with replacement from its own seeded
 generator, and an epoch is ``data.epoch_batches`` batches per rank. Both never run a rank dry, so
 no collective hangs.
 
@@ -28,6 +30,7 @@ from typing import Iterator
 
 from rsclip_ds.config import ConfigError, DataConfig
 from rsclip_ds.data.bad import DataError
+from rsclip_ds.data.filter_counts import kept_counts
 from rsclip_ds.data.sources import expand_sources, shard_counts
 
 def derive_seed(*parts) -> int:
@@ -57,6 +60,8 @@ class EpochSchedule:
     num_workers: int            # requested per rank; 'exact' clamps it per rank (workers_of)
     micro: int
     counts: dict[str, int] | None = None
+    kept: dict[str, int] | None = None     # 'exact' + data.where: samples the filter keeps per shard
+    where: str = ""                        # ... and the filter
     epoch_batches: int | None = None
     first: int = 0              # first epoch played (a remapped run starts in its transition epoch)
     fixed: dict[int, int] = field(default_factory=dict)      # epoch -> batches per rank, set by a remap
@@ -103,8 +108,8 @@ class EpochSchedule:
         return self.start(epoch + 1) - self.start(epoch)
 
     def _rank_batches(self, epoch: int, rank: int, start: int) -> int:
-        k = self.workers_of(rank)
-        caps = [sum(self.counts[u] for u in self.shards(epoch, rank, w)) // self.micro for w in range(k)]
+        k, counts = self.workers_of(rank), self.counts if self.kept is None else self.kept
+        caps = [sum(counts[u] for u in self.shards(epoch, rank, w)) // self.micro for w in range(k)]
         lo, hi = 0, sum(caps)        # largest n such that every worker can fill its share
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -127,8 +132,9 @@ class EpochSchedule:
                 n = self.epoch_batches if self.policy == "resampled" else \
                     min(self._rank_batches(e, r, at) for r in range(self.world_size))
                 if n == 0:
+                    kept = f" that data.where={self.where!r} keeps" if self.kept is not None else ""
                     raise DataError(f"epoch {e}: some rank/worker stream holds fewer than micro_batch_size="
-                                    f"{self.micro} samples; write more or smaller shards, lower "
+                                    f"{self.micro} samples{kept}; write more or smaller shards, lower "
                                     "data.num_workers or the micro batch")
             self._starts.append(at + n)
         return self._starts[epoch - self.first]
@@ -150,17 +156,22 @@ class EpochSchedule:
 
     def digest(self) -> str:
         counts = [self.counts.get(u) for u in self.urls] if self.counts else None
-        return hashlib.blake2b(json.dumps([self.sources, self.weights, counts]).encode(),
-                               digest_size=8).hexdigest()
+        what = [self.sources, self.weights, counts]
+        if self.kept is not None:   # (appended: a run without data.where keeps its digest)
+            what += [self.where, [self.kept.get(u) for u in self.urls]]
+        return hashlib.blake2b(json.dumps(what).encode(), digest_size=8).hexdigest()
 
 
 
 def build_epoch_schedule(cfg: DataConfig, *, micro_batch_size: int, world_size: int, seed: int,
-                         num_workers: int | None = None, read_counts=shard_counts) -> EpochSchedule:
+                         num_workers: int | None = None, read_counts=shard_counts,
+                         read_kept=kept_counts) -> EpochSchedule:
     """Shard list, weights and counts -> the schedule every rank shares (validates the combination).
     ``num_workers``: workers per rank, resolved (build_train_loader sizes data.num_workers=auto);
     default cfg.num_workers, which must then be a number. ``read_counts(urls, shard_index)``:
-    shard_counts, or shard_counts_from_rank0 in a multi-rank run."""
+    shard_counts, or shard_counts_from_rank0 in a multi-rank run. ``read_kept(urls, where,
+    shard_index)``: 'exact' + data.where, the samples the filter keeps per shard (filter_counts.py:
+    kept_counts, or kept_counts_over_ranks in a multi-rank run)."""
     workers = cfg.num_workers if num_workers is None else num_workers
     if not isinstance(workers, int):
         raise ValueError(f"data.num_workers={workers!r}: pass the resolved worker count as num_workers "
@@ -180,6 +191,12 @@ def build_epoch_schedule(cfg: DataConfig, *, micro_batch_size: int, world_size: 
     schedule = EpochSchedule(sources, weights, cfg.policy, seed, world_size, workers, micro_batch_size)
     if cfg.policy == "exact" or cfg.epoch_batches is None:
         schedule.counts = read_counts(schedule.urls, cfg.shard_index)
+    if cfg.policy == "exact" and cfg.where:
+        schedule.kept, schedule.where = read_kept(schedule.urls, cfg.where, cfg.shard_index), cfg.where
+        if not sum(schedule.kept.values()):
+            raise ConfigError(f"data.where={cfg.where!r} keeps none of the {sum(schedule.counts.values())} "
+                              f"samples of the {len(schedule.kept)} shard(s) (their JSON members); check the "
+                              "filter against a sample's JSON (`tar -xOf SHARD KEY.json`)")
     if cfg.policy == "resampled":
         schedule.epoch_batches = cfg.epoch_batches or sum(schedule.counts.values()) // (world_size * micro_batch_size)
         if schedule.epoch_batches < 1:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import tarfile
-from typing import Iterator
+from typing import Callable, Iterator
 
 from rsclip_ds.data.bad import StreamCounter
 
@@ -84,9 +85,11 @@ def _read_exactly(stream, n: int) -> bytes:
     return data
 
 
-def _tar_members(stream) -> Iterator[tuple[str, bytes]]:
-    """(name, data) of the regular files in a tar stream; raises on a broken or truncated tar."""
-    long_name = None
+def _tar_members(stream, want: Callable[[str], bool] | None = None) -> Iterator[tuple[str, bytes | None]]:
+    """(name, data) of the regular files in a tar stream; raises on a broken or truncated tar.
+    ``want(name)`` False: data is None, and the member's bytes are seeked over (``stream`` must
+    then be a seekable file: filter_counts.py reads only the .json members of a local tar)."""
+    long_name, limit = None, None if want is None else os.fstat(stream.fileno()).st_size
     while True:
         header = stream.read(512)
         if len(header) < 512:
@@ -99,24 +102,29 @@ def _tar_members(stream) -> Iterator[tuple[str, bytes]]:
             raise tarfile.ReadError("bad tar header checksum (not a tar file, or corrupt)")
         size_field = header[124:136]
         size = int.from_bytes(size_field[1:], "big") if size_field[0] & 0x80 else int(size_field.strip(b"\0 ") or b"0", 8)
-        kind = header[156:157]
+        kind, padded = header[156:157], size + (-size) % 512
+        if kind in (b"0", b"\0", b"7"):                     # a regular file
+            name = header[:100].rstrip(b"\0").decode("utf-8")
+            prefix = header[345:500].rstrip(b"\0") if header[257:262] == b"ustar" else b""
+            if prefix:
+                name = prefix.decode("utf-8") + "/" + name
+            name, long_name = long_name or name, None
+            if want is not None and not want(name):
+                if stream.seek(padded, 1) > limit:
+                    raise EOFError(f"unexpected end of data (member {name} ends past the file's end)")
+                yield name, None
+                continue
         data = _read_exactly(stream, size) if size else b""
         if size % 512:
             _read_exactly(stream, 512 - size % 512)
-        if kind == b"L":                                     # GNU long name of the next member
+        if kind in (b"0", b"\0", b"7"):
+            yield name, data
+        elif kind == b"L":                                   # GNU long name of the next member
             long_name = data.rstrip(b"\0").decode("utf-8")
         elif kind == b"x":                                   # pax header: path= overrides the name
             for record in data.decode("utf-8").split("\n"):
                 _, _, kv = record.partition(" ")
                 if kv.startswith("path="):
                     long_name = kv[5:]
-        elif kind in (b"0", b"\0", b"7"):
-            name = header[:100].rstrip(b"\0").decode("utf-8")
-            prefix = header[345:500].rstrip(b"\0") if header[257:262] == b"ustar" else b""
-            if prefix:
-                name = prefix.decode("utf-8") + "/" + name
-            yield (long_name or name), data
-            long_name = None
         else:                                                # directories, links, global pax: skip
             long_name = None if kind != b"g" else long_name
-

@@ -36,7 +36,7 @@ except ImportError:
 from rsclip_ds.config import DataConfig
 from rsclip_ds.data.bad import StreamCounter
 from rsclip_ds.data.geotiff import BandChoice, is_tiff, to_rgb
-from rsclip_ds.data.where import Where
+from rsclip_ds.data.where import Where, json_columns
 
 log = logging.getLogger("rsclip_ds.data")
 
@@ -236,11 +236,7 @@ class SampleDecoder:
         fails it; a sample without JSON has no columns, so every comparison is false."""
         if self.where is None:
             return True
-        try:
-            meta = json.loads(sample["json"]) if "json" in sample else {}
-        except ValueError:
-            meta = {}
-        if self.where(meta if isinstance(meta, dict) else {}):
+        if self.where(json_columns(sample.get("json"))):
             counter.filtered_run = 0
             return True
         counter.bad["filtered_out"] += 1

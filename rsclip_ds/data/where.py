@@ -16,6 +16,7 @@ row with a missing score is dropped by ``score >= 0.5`` and by ``score < 0.5`` a
 from __future__ import annotations
 
 import ast
+import json
 from typing import Any, Iterable, Mapping
 
 _COMPARE = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b, ast.Lt: lambda a, b: a < b,
@@ -79,6 +80,19 @@ def _check_node(node: ast.AST, text: str) -> None:
                                            and len(node.args) == 1 and not node.keywords
                                            and isinstance(node.args[0], ast.Name)):
         raise WhereError(f"filter {text!r}: the only call allowed is len(column); allowed: {ALLOWED}")
+
+
+def json_columns(raw: bytes | None) -> dict:
+    """A sample's JSON member as the row data.where sees: its object, or {} (every comparison
+    false) when there is none, it does not parse, or it is not an object. The loader
+    (transforms.SampleDecoder.keep) and the start-up count (filter_counts.py) both read it here."""
+    if raw is None:
+        return {}
+    try:
+        row = json.loads(raw)
+    except ValueError:
+        return {}
+    return row if isinstance(row, dict) else {}
 
 
 _MISSING = object()
