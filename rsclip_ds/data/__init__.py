@@ -5,6 +5,8 @@
     tar.py           tar members -> samples; broken tars counted, never raised
     transforms.py    the one image transform (training and evaluation), sample decoding; Normalize (reference)
     bad.py           bad-data kinds, per-stream counts, the stop threshold (DataError)
+    where.py         the row filter language (make-shards --where, data.where)
+    filter_counts.py the samples data.where keeps per shard, counted at start-up ('exact')
     loader.py        the streams, the DataLoader, resumable position: build_train_loader
     remap.py         a saved position continued on another number of ranks (workers, micro batch)
     tokenizer.py     training a caption tokenizer; tokenize()

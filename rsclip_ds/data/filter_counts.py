@@ -16,6 +16,10 @@ depends on how often). So the kept samples are counted once, at start-up:
     data.shard_index; a tar without an index: its size and mtime) and the expression; a resumed
     or repeated run reads the counts back instead of walking the tars.
 
+Cost, measured on this project's 2-core CPU with the tars in the page cache: 24 us per sample
+(10,000 samples of 3 members in 0.24 s), so Git-10M's 10.5M samples take ~4 CPU-minutes, ~4 s
+split over 64 ranks; from a cold disk it is one seek per member (the JSON members are read).
+
 Then every stream's quota is filled by one pass over its shards: the summary's filtered_out is
 the filtered samples of what the streams read, exact across resume (the counts are part of the
 saved position's shard digest). Two cases are not exact: bad data (a kept sample with a corrupt
