@@ -70,9 +70,10 @@ def git10m_dataset(n: int, rows: dict[str, list] | None = None):
     return datasets.Dataset.from_dict(rows or git10m_rows(n), features=features)
 
 
-def write_git10m(root: Path, n: int = 60, files: int = 3) -> Path:
-    """``root``/data/train-0000k-of-0000n.parquet (the hub's repo layout) + a README; -> root."""
-    ds = git10m_dataset(n)
+def write_git10m(root: Path, n: int = 60, files: int = 3, rows: dict[str, list] | None = None) -> Path:
+    """``root``/data/train-0000k-of-0000n.parquet (the hub's repo layout) + a README; -> root.
+    ``rows``: git10m_rows(n) with changes (default: as it is)."""
+    ds = git10m_dataset(n, rows)
     (root / "data").mkdir(parents=True, exist_ok=True)
     for k in range(files):
         ds.shard(files, k, contiguous=True).to_parquet(str(root / "data" / f"train-{k:05d}-of-{files:05d}.parquet"))
@@ -97,8 +98,9 @@ def write_hub_cache(cache: Path, repo: str, folder: Path, commit: str = COMMIT) 
     return snap
 
 
-def write_skyscript_csv(root: Path, n: int = 12) -> Path:
-    """SkyScript-style: images/ + a CSV with two caption columns and a CLIP similarity score."""
+def write_skyscript_csv(root: Path, n: int = 12, scores: list[float] | None = None) -> Path:
+    """SkyScript-style: images/ + a CSV with two caption columns and a CLIP similarity score
+    (default 0.2 + 0.02 i for row i)."""
     (root / "images").mkdir(parents=True, exist_ok=True)
     path = root / "skyscript_train.csv"
     with path.open("w", newline="") as f:
@@ -107,7 +109,8 @@ def write_skyscript_csv(root: Path, n: int = 12) -> Path:
         for i in range(n):
             (root / "images" / f"sky_{i}.jpg").write_bytes(jpeg(100 + i))
             w.writerow([f"images/sky_{i}.jpg", f"a satellite image of a {['pond', 'road', 'farm'][i % 3]}",
-                        f"a satellite image of {i % 4 + 1} objects", f"{0.2 + 0.02 * i:.2f}"])
+                        f"a satellite image of {i % 4 + 1} objects",
+                        f"{0.2 + 0.02 * i if scores is None else scores[i]:.2f}"])
     return path
 
 
