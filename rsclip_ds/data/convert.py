@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
 
 from rsclip_ds.data.hf_source import HFSource
-from rsclip_ds.data.ingest import _TEXT_CAP, AtomicShards, Progress, RowSpec, _ordered
+from rsclip_ds.data.ingest import _TEXT_CAP, AtomicShards, Progress, RowSpec, _ordered, split_images
 from rsclip_ds.data.shard_writer import _merge_index
 
 FORMAT_VERSION = 1   # of the progress file and of what a row becomes; a change refuses old progress
@@ -57,11 +57,12 @@ def start_state(out: Path, prefix: str, fingerprint: dict, restart: bool) -> Pro
     return state
 
 
-def _chunks(source: HFSource, spec: RowSpec, start: int, rows: int) -> Iterator[tuple[int, dict, RowSpec]]:
+def _chunks(source: HFSource, spec: RowSpec, start: int, rows: int) -> Iterator[tuple[tuple, list]]:
+    """(what a worker gets, the image bytes the main process keeps) per chunk of ``rows`` rows."""
     at = start
     for batch in source.iter_batches(start, rows, spec.image_column):
         n = len(next(iter(batch.values()))) if batch else 0
-        yield at, batch, spec
+        yield split_images(at, batch, spec)
         at += n
 
 
@@ -82,6 +83,7 @@ def convert(source: HFSource, out: str | Path, *, prefix: str = "train", spec: R
     state = start_state(out, prefix, _fingerprint(source, spec, shard_size, shard_bytes), restart)
     resumed_at = state.rows_done
     shards = AtomicShards(out, prefix, shard_size, shard_bytes, start=len(state.shards))
+
     pool = ProcessPoolExecutor(workers) if workers > 1 else None
     columns = [TextColumn("make-shards {task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[rate]:,.0f} rows/s"), TextColumn("{task.fields[skipped]} skipped"),
@@ -92,15 +94,16 @@ def convert(source: HFSource, out: str | Path, *, prefix: str = "train", spec: R
             task = bar.add_task(prefix + (f" (resumed at row {resumed_at:,})" if resumed_at else ""),
                                 total=source.total, completed=resumed_at, rate=0.0, skipped=sum(state.skipped.values()))
             chunks = _chunks(source, spec, resumed_at, chunk_rows)
-            for results in _ordered(chunks, pool, window=4 * workers):
-                for status, value in results:
+            for (results, stats), images in _ordered(chunks, pool, window=4 * workers):
+                state.merge(stats)
+                for (status, value), kept in zip(results, images):
                     row += 1
                     if status == "ok":
-                        members, meta = value
+                        head, image, tail, captions, text_bytes = value
+                        image = kept if image is None else image   # checked here: its bytes stayed here
                         state.samples += 1
-                        state.captions += members["txt"].count(b"\n") + 1
-                        state.observe(meta)
-                        closed = shards.write(f"{row:09d}", members)
+                        state.captions += captions
+                        closed = shards.write((head, image, tail), len(image) + text_bytes)
                         if closed:
                             state.shards.append(closed)
                             state.rows_done = row + 1

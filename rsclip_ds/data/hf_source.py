@@ -63,8 +63,11 @@ class HFSource:
         first, offset = _locate(self.rows, start)
         if first >= len(self.files):
             return
+        # parquet: record batches of batch_rows, not whole row groups (the reader's default): the
+        # memory held is a chunk's rows, whatever row-group size the publisher chose
+        extra = {"batch_size": batch_rows} if self.module == "parquet" else {}
         ds = datasets.load_dataset(self.module, data_files={"rows": self.files[first:]}, split="rows",
-                                   streaming=True)
+                                   streaming=True, **extra)
         feats = ds.features or {}
         if image_column and isinstance(feats.get(image_column), datasets.Image):
             ds = ds.cast_column(image_column, datasets.Image(decode=False))   # bytes as they are
