@@ -53,7 +53,10 @@ TARGET = 0.9
 
 def bare_loop(files: list[str], out: Path, shard_size: int) -> int:
     """What a user would write: pyarrow batches -> tar members, no checks, no resume."""
+    import numpy as np
     import pyarrow.parquet as pq
+
+    import pyarrow as pa
 
     from rsclip_ds.data.hf_source import tile_centre
 
@@ -62,6 +65,8 @@ def bare_loop(files: list[str], out: Path, shard_size: int) -> int:
     for f in files:
         for batch in pq.ParquetFile(f).iter_batches(batch_size=256):
             cols = batch.to_pydict()
+            for name in (fl.name for fl in batch.schema if fl.type == pa.float32()):   # 0.98, not 0.98000001907
+                cols[name] = [float(str(np.float32(x))) for x in cols[name]]
             for i in range(batch.num_rows):
                 r = {k: v[i] for k, v in cols.items()}
                 meta = {k: v for k, v in r.items() if k != "image"}

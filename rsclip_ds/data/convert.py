@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Iterator
@@ -22,7 +22,8 @@ from rsclip_ds.data.hf_source import HFSource
 from rsclip_ds.data.ingest import _TEXT_CAP, AtomicShards, Progress, RowSpec, _ordered, split_images
 from rsclip_ds.data.shard_writer import _merge_index
 
-FORMAT_VERSION = 1   # of the progress file and of what a row becomes; a change refuses old progress
+FORMAT_VERSION = 2   # of the progress file and of what a row becomes; a change refuses old progress
+                     # (2: float32 columns in their shortest form)
 
 
 def _fingerprint(source: HFSource, spec: RowSpec, shard_size: int, shard_bytes: float) -> dict:
@@ -77,6 +78,7 @@ def convert(source: HFSource, out: str | Path, *, prefix: str = "train", spec: R
         raise ValueError(f"--shard-size and --workers must be >= 1, --shard-bytes >= 0 (got {shard_size}, "
                          f"{workers}, {shard_bytes})")
     spec.check(source.columns, f"--hf-dataset {source.label}")
+    spec = replace(spec, float32_columns=source.float32_columns)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{prefix}-progress.json"

@@ -51,6 +51,12 @@ class HFSource:
     def columns(self) -> list[str]:
         return list(self.features)
 
+    @property
+    def float32_columns(self) -> tuple[str, ...]:
+        """Columns of float32 numbers (Git-10M's img_quality_score): arrow hands them over as the
+        float64 of the float32 (0.9800000190734863), ingest writes their shortest float32 form."""
+        return tuple(c for c, f in self.features.items() if getattr(f, "dtype", None) == "float32")
+
     def fingerprint(self) -> dict:
         """What a resumed conversion must find again (file names, row counts, the commit)."""
         return {"files": [Path(f).name for f in self.files], "rows": self.rows, "commit": self.commit}

@@ -3,7 +3,7 @@
 One row -> one sample ``{key}.{ext}`` (the image bytes as they are, unless --max-side /
 --format / --bands ask for re-encoding) + ``{key}.txt`` (its captions, one per line: every
 --caption-column) + ``{key}.json`` ({"filename", "captions", "split", every other column;
-numbers stay numbers; a Google_location 'Z_X_Y' adds "latitude"/"longitude" of the tile centre}).
+numbers stay numbers, float32 ones in their shortest form; a Google_location 'Z_X_Y' adds "latitude"/"longitude" of the tile centre}).
 The key is the row number (``000001234``): unique, without dots, the same on every run.
 
 Skipped rows are counted by reason -- ``filtered_out`` (--where), ``caption_length``
@@ -26,12 +26,15 @@ continues from the last complete shard: the output equals an uninterrupted run's
 from __future__ import annotations
 
 import json
+import math
 import os
 import tarfile
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from rsclip_ds.data.geotiff import BandChoice
 from rsclip_ds.data.hf_source import tile_centre
@@ -59,6 +62,7 @@ class RowSpec:
     verify: str = "header"                # header: parse the header, check the end marker; decode: full
     split: str | None = "train"            # the dataset split, written into each sample's JSON
     name_column: str = "img_name"
+    float32_columns: tuple[str, ...] = ()  # written as their shortest float32 form (0.98, not 0.98000001907)
 
     def check(self, columns: list[str], label: str) -> None:
         wanted = [self.image_column, *self.caption_columns]
@@ -80,6 +84,12 @@ def _jsonable(value):
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return value
+
+
+def shortest_float32(value):
+    """A float32 column's value (arrow gives the float64 of the float32: 0.9800000190734863) ->
+    the shortest decimal that is the same float32 (0.98), as the dataset viewer shows it."""
+    return float(str(np.float32(value))) if isinstance(value, float) and math.isfinite(value) else value
 
 
 def _tarfile_header(name: str, size: int) -> bytes:
@@ -128,6 +138,8 @@ def row_sample(index: int, row: dict, spec: RowSpec, where: Where) -> tuple[str,
             if c is not None and str(c).strip():
                 captions.append(" ".join(str(c).split()))
     meta = {k: _jsonable(v) for k, v in row.items() if k != spec.image_column}
+    for k in spec.float32_columns:
+        meta[k] = shortest_float32(meta.get(k))
     loc = tile_centre(row["Google_location"]) if "Google_location" in row else None
     if loc is not None:
         meta["latitude"], meta["longitude"] = loc

@@ -7,6 +7,7 @@ SIGKILLs a real conversion process is marked slow."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -25,7 +26,8 @@ from rsclip_ds.data.bad import StreamCounter
 from rsclip_ds.data.convert import convert
 from rsclip_ds.data.geotiff import BandChoice, BandsError, to_rgb
 from rsclip_ds.data.hf_source import resolve_hf_dataset, tile_centre
-from rsclip_ds.data.ingest import RowSpec
+from rsclip_ds.data.image_check import Checked, header_format, precheck
+from rsclip_ds.data.ingest import RowSpec, _tar_header, _tarfile_header, shortest_float32
 from rsclip_ds.data.transforms import ImageTransform, SampleDecoder
 from rsclip_ds.data.where import Where, WhereError
 from tests.corpora import (CORRUPT_ROWS, EMPTY_CAPTION_ROWS, TRUNCATED_ROWS, git10m_dataset, git10m_rows,
@@ -126,7 +128,8 @@ def test_git10m_folder_to_shards_keeps_bytes_metadata_and_counts_skips(git10m, t
     assert meta == {"filename": f"GIT_{i:06d}.jpg", "img_name": f"GIT_{i:06d}.jpg", "captions": [rows["caption"][i]],
                     "caption": rows["caption"][i], "split": "train", "caption_length": rows["caption_length"][i],
                     "resolution": rows["resolution"][i], "Google_location": rows["Google_location"][i],
-                    "img_quality_score": pytest.approx(rows["img_quality_score"][i]), "latitude": lat, "longitude": lon}
+                    "img_quality_score": rows["img_quality_score"][i], "latitude": lat, "longitude": lon}
+    assert f'"img_quality_score": {rows["img_quality_score"][i]},'.encode() in members[f"{i:09d}.json"]   # not 0.37000000476
     assert isinstance(meta["caption_length"], int) and isinstance(meta["resolution"], float)
     index = json.loads((out / "index.json").read_text())
     assert sum(e["num_samples"] for e in index["shards"]) == len(good)
@@ -135,6 +138,31 @@ def test_git10m_folder_to_shards_keeps_bytes_metadata_and_counts_skips(git10m, t
     assert cols["img_quality_score"]["min"] >= 0.3 - 1e-6
     report = json.loads((out / "train-report.json").read_text())
     assert any(f"row {corrupt[0]}:" in e for e in report["skipped_examples"]["corrupt_image"])
+
+
+def test_tar_blocks_and_header_checks_equal_what_they_replace():
+    """The writer's ustar headers are tarfile's, byte for byte; the header check settles JPEG/PNG/WebP
+    (kept, truncated, broken) and leaves the rest to PIL in a worker."""
+    for name, size in [("000000001.jpg", 12345), ("000000002.json", 0), ("a" * 100, 7), ("x.txt", 8 ** 11 - 1),
+                       ("é.txt", 3)]:
+        assert _tar_header(name, size) == _tarfile_header(name, size), name
+    from PIL import Image
+    from tests.corpora import jpeg
+
+    good, png = jpeg(1, 16), io.BytesIO()
+    Image.new("RGB", (4, 4)).save(png, "PNG")
+    webp = b"RIFF\x10\x00\x00\x00WEBPVP8 " + bytes(8)
+    assert [header_format(b) for b in (good, png.getvalue(), webp, b"GIF89a....")] == ["JPEG", "PNG", "WEBP", None]
+    for broken in (good[:20] + b"\x00\x00" + good[22:], b"\xff\xd8\xff\xe0\xff\xff" + good[6:], good[:20]):
+        with pytest.raises(OSError, match="JPEG"):
+            header_format(broken)
+    assert precheck(good, "keep", "header", 0, "image") == Checked("jpg", len(good))
+    assert precheck(good[: len(good) // 2], "keep", "header", 0, "image").problem[0] == "corrupt_image"
+    assert precheck(None, "keep", "header", 0, "image").problem[0] == "missing_image"
+    for needs_pil in ((good, "png", "header", 0), (good, "keep", "decode", 0), (good, "keep", "header", 8),
+                      (b"\xa0not an image", "keep", "header", 0)):
+        assert precheck(*needs_pil, "image") is None
+    assert shortest_float32(float(np.float32(0.98))) == 0.98 and shortest_float32(3) == 3
 
 
 def test_git10m_save_to_disk_and_hub_cache_give_the_same_shards(git10m, tmp_path, offline_hub, capsys):
