@@ -87,7 +87,7 @@ CUTS = {"|", "&", ">", ">>", "<", "2>", "2>>", "&>", "2>&1", "1>&2", "|&"}
 
 @dataclass(frozen=True)
 class Command:
-    where: str          # "docs/data.md:11", the line the command starts on
+    where: str          # "docs/guides/data.md:11", the line the command starts on
     words: tuple[str, ...]
     problem: str = ""   # set when the line could not even be split
 
