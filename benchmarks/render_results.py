@@ -326,14 +326,18 @@ def check(pages: dict[str, str], folder: Path) -> list[str]:
     return problems
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS, help="the folder of result JSON files")
     parser.add_argument("--out", type=Path, default=PAGES_DIR,
                         help="the folder of the pages, written or (with --check) compared")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 when a page in --out is stale or missing, or --out has a page the render has not")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"--out {args.out}: the results are a folder of pages now (docs/results/), not one file")
     try:

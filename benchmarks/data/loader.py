@@ -42,6 +42,7 @@ is the hand-over to the main process and its work (pickling, the fd passing, map
 
 from __future__ import annotations
 
+import argparse
 import io
 import itertools
 import os
@@ -411,7 +412,7 @@ def plot(report: dict, path: Path) -> str | None:
     return save_figure(plt, fig, path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = base_parser(__doc__, out=ROOT / "benchmarks" / "results" / "loader.json")
     p.add_argument("--num-images", type=int, default=1024)
     p.add_argument("--source-px", type=int, default=256)
@@ -424,7 +425,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--no-consume", action="store_true", help="the main process does not copy the batches")
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip the stage split")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     write_report(run(args), args.out, print_table, plot)
     return 0
 

@@ -159,14 +159,18 @@ def print_tables(report: dict) -> None:
     Console(width=160).print(table)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = base_parser(__doc__, tiny=True)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 15; --tiny 3)")
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured steps first (default 5; --tiny 2)")
     parser.add_argument("--worker", nargs=3, metavar=("ENGINE", "ALLOCATOR", "OPTIMIZER"), help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     args.steps = args.steps or (3 if args.tiny else 15)
     args.warmup = args.warmup or (2 if args.tiny else 5)
     if args.worker:

@@ -28,6 +28,7 @@ the buffer that accumulates this rank's gradients (inspected after one more back
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -174,12 +175,16 @@ def print_table(report: dict) -> None:
     Console(width=200).print(table)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = base_parser(__doc__)
     parser.add_argument("--profiles", nargs="*", default=None, help="default: every ds_profiles/*.json")
     parser.add_argument("--k", type=int, default=8, help="micro-batches per optimizer step")
     parser.add_argument("--micro", type=int, default=4, help="samples per rank per micro-batch")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     with process_group(args.threads) as info, tempfile.TemporaryDirectory() as tmp:
         t0, rows = time.perf_counter(), []
         config = preset_config("tiny")
