@@ -333,13 +333,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the folder of the pages, written or (with --check) compared")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 when a page in --out is stale or missing, or --out has a page the render has not")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out}: the results are a folder of pages now (docs/results/), not one file")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"--out {args.out}: the results are a folder of pages now (docs/results/), not one file")
     try:
         pages = render(args.results)
     except ResultsError as e:
