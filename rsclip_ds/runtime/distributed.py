@@ -43,7 +43,9 @@ def launcher_local_world_size() -> int | None:
 
 # Variables by which a process started by srun / mpirun / a PMI launcher knows it is one of many
 # tasks (name of the task count, its launcher), checked when no RANK says where it stands.
-TASK_COUNT_VARS = (("SLURM_NTASKS", "srun"), ("OMPI_COMM_WORLD_SIZE", "mpirun (Open MPI)"),
+# SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: srun sets it for the tasks of a step, while SLURM_NTASKS is
+# also in an sbatch script's own shell, where one plain process (an eval, a plan) is fine.
+TASK_COUNT_VARS = (("SLURM_STEP_NUM_TASKS", "srun"), ("OMPI_COMM_WORLD_SIZE", "mpirun (Open MPI)"),
                    ("PMI_SIZE", "mpirun / PMI"), ("PMIX_SIZE", "a PMIx launcher"))
 
 
@@ -56,7 +58,7 @@ def check_launch_env(env=None) -> None:
         return
     for var, launcher in TASK_COUNT_VARS:
         value = env.get(var, "")
-        if value.isdigit() and int(value) > 1 and (var != "SLURM_NTASKS" or "SLURM_PROCID" in env):
+        if value.isdigit() and int(value) > 1:
             raise LaunchError(
                 f"this process is one of {value} tasks started by {launcher} ({var}={value}), but no launcher "
                 f"set RANK / LOCAL_RANK / WORLD_SIZE: each task would train alone on device 0. Start one launcher "

@@ -78,12 +78,12 @@ def test_planner_gradient_bytes_follow_the_wire_dtype():
 
 def test_srun_tasks_without_a_launcher_are_refused_with_the_command_that_works():
     with pytest.raises(LaunchError, match=r"one of 8 tasks started by srun.*srun --ntasks-per-node=1"):
-        check_launch_env({"SLURM_NTASKS": "8", "SLURM_PROCID": "3"})
+        check_launch_env({"SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "3"})
     with pytest.raises(ConfigError, match="mpirun"):   # a ConfigError: the CLI's exit code 2
         check_launch_env({"OMPI_COMM_WORLD_SIZE": "4"})
-    check_launch_env({"SLURM_NTASKS": "8", "SLURM_PROCID": "3", "RANK": "3"})   # a launcher set the rank
-    check_launch_env({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"})                 # one task: a plain run
-    check_launch_env({"SLURM_NTASKS": "8"})    # an sbatch script's own shell, not a task of srun
+    check_launch_env({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "3", "RANK": "3"})   # a launcher set the rank
+    check_launch_env({"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"})               # one task: a plain run
+    check_launch_env({"SLURM_NTASKS": "8", "SLURM_PROCID": "0"})   # an sbatch script's own shell, not a task of srun
 
 
 def test_per_rank_gpu_binding_is_refused_naming_the_fix():
