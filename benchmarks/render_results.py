@@ -106,8 +106,6 @@ THROUGHPUT = (
         Source("gpu_h200.json", py("gpu", f"--out {R}/gpu_h200.json")),
         Source("gpu_h200_loader.json", py("gpu", f"--profiles zero2 --ac off --data tensor loader "
                                                  f"--out {R}/gpu_h200_loader.json")),
-        Source("gpu_h200_hybrid.json", py("gpu", f"--model git-rsclip-base --profiles hybrid --ac off "
-                                                 f"--out {R}/gpu_h200_hybrid.json")),
         Source("gpu_h200_openclip.json", py("gpu", f"--open-clip VENV --model git-rsclip-base "
                                                    f"--out {R}/gpu_h200_openclip.json")))),
 )

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
+from rsclip_ds.runtime.settings import DistributedConfig, FaultConfig
+
 
 class ConfigError(ValueError):
     """A run config, profile or batch setting that cannot work; the message names the fix."""
@@ -301,48 +303,6 @@ class CheckpointConfig(_Strict):
         "a bounded wall time. The next job continues with --resume latest.")
 
 
-class FaultConfig(_Strict):
-    peer_timeout_s: float = Field(
-        60.0, gt=0, description="A rank whose heartbeat is older than this is taken as dead: the "
-        "other ranks exit (code 4) instead of waiting for the collective timeout. Keep it above the "
-        "longest stall of a healthy rank's Python thread (a checkpoint write does not stall it).")
-    heartbeat_s: float = Field(2.0, gt=0, description="Seconds between heartbeats (a background thread per rank).")
-    stop_check_every: int = Field(
-        10, ge=1, description="Optimizer steps between the sync points where the ranks agree to stop "
-        "after SIGTERM. A sync point is one small all-reduce and a host sync; the log steps are sync "
-        "points anyway, so a divisor of logging.log_every adds nothing, 1 adds one sync per step.")
-    max_nonfinite_steps: int = Field(
-        3, ge=1, description="bf16/fp32: stop the run (exit code 3) after this many consecutive "
-        "optimizer steps with a non-finite loss; no checkpoint is written from non-finite weights.")
-    inject_nan_at_step: Optional[int] = Field(
-        None, description="FAULT INJECTION for tests, never set in real runs: from this optimizer "
-        "step on, rank 0's loss is multiplied by NaN.")
-    inject_kill_at_step: Optional[int] = Field(
-        None, description="FAULT INJECTION for tests, never set in real runs: the last rank SIGKILLs "
-        "itself at the start of this optimizer step.")
-    inject_freeze_at_step: Optional[int] = Field(
-        None, description="FAULT INJECTION for tests, never set in real runs: the last rank SIGSTOPs "
-        "itself at the start of this optimizer step (a hung host: its sockets stay open).")
-    inject_data_delay_s: Optional[float] = Field(
-        None, gt=0, description="FAULT INJECTION for tests, never set in real runs: rank "
-        "`inject_data_delay_rank` sleeps this many seconds before handing over each micro-batch (a "
-        "slow loader on one rank).")
-    inject_data_delay_rank: Optional[int] = Field(
-        None, ge=0, description="FAULT INJECTION for tests: the rank `inject_data_delay_s` slows down "
-        "(default: the last rank, like the other injections).")
-    inject_kill_in_save_at_step: Optional[int] = Field(
-        None, description="FAULT INJECTION for tests, never set in real runs: the last rank SIGKILLs "
-        "itself inside the checkpoint save of this step, after writing its shards and before the "
-        "latest pointer moves.")
-
-    @model_validator(mode="after")
-    def _check(self) -> "FaultConfig":
-        if self.inject_data_delay_rank is not None and self.inject_data_delay_s is None:
-            raise ValueError("faults.inject_data_delay_rank is set without faults.inject_data_delay_s: "
-                             "give the delay too, e.g. --set faults.inject_data_delay_s=0.2")
-        return self
-
-
 class EvalConfig(_Strict):
     every: int = Field(0, ge=0, description="Evaluate every N optimizer steps and after the last step "
                        "(0: no evaluation during training). Results go to the log, "
@@ -399,6 +359,9 @@ class RunConfig(_Strict):
                                          description="Checkpoints and resume (docs/guides/checkpoints.md).")
     faults: FaultConfig = Field(default_factory=FaultConfig,
                                 description="Dead ranks, SIGTERM, non-finite losses (docs/guides/checkpoints.md).")
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig,
+                                           description="Ranks on a node and on the wire: threads per rank, the "
+                                           "gradients' dtype in the reduction (docs/guides/clusters.md).")
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":

@@ -70,16 +70,11 @@ def reference_grads(config, pixels, ids) -> list[torch.Tensor]:
 
 def ds_config(profile: str, accum: str, comm: str | None, micro: int, k: int, world: int, folder: Path) -> dict:
     """Our config for a bf16 run of this profile, made an SGD(lr=1) config (update = gradient)."""
-    path = load_profile(profile).path
-    if comm:   # communication_data_type is a strategy key: a copy of the profile with it
-        raw = json.loads(path.read_text())
-        raw["communication_data_type"] = comm
-        path = folder / f"{profile}.json"
-        path.write_text(json.dumps(raw))
-    run = load_config(None, [f"profile={path}", "precision=bf16", f"bf16.grad_accum_dtype={accum}",
+    run = load_config(None, [f"profile={profile}", "precision=bf16", f"bf16.grad_accum_dtype={accum}",
                              f"batch.micro_batch_size={micro}", f"batch.gradient_accumulation_steps={k}",
-                             "batch.accumulation=global", "steps=2", "optim.warmup_steps=0"])
-    config = build_ds_config(run, load_profile(str(path)), world, on_gpu=False)
+                             "batch.accumulation=global", "steps=2", "optim.warmup_steps=0",
+                             f"distributed.communication_data_type={comm or 'auto'}"])
+    config = build_ds_config(run, load_profile(profile), world, on_gpu=False)
     config.pop("optimizer")
     config.update(gradient_clipping=0.0, zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
     return config
