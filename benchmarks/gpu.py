@@ -16,14 +16,11 @@ recorded with the reason and the others go on. CPU smoke tests (what the slow te
     DS_ACCELERATOR=cpu python -m benchmarks.gpu --model tiny --profiles zero2 --ac off --data tensor loader \
         --data-images 64 --data-px 64 --loader-workers 1 --out /tmp/gpu_tiny_loader.json
 
-The hybrid-sharding profiles (ds_profiles/README.md) as cases, `--profiles hybrid` (= zero3,
-zero3_hpz, zero3_zeropp): on one GPU hpZ has no node to shard within (its group is the one rank:
-zero3), but zero3_zeropp's qwZ runs its CUDA quantizer kernels (int8 all-gather), which no CPU
-test can reach; the report compares each with zero3 (samples/s, final loss on the same batches).
-Their point, inter-node traffic, needs several GPUs: benchmarks/comms/multigpu_hybrid.sh.
-
-    python -m benchmarks.gpu --model git-rsclip-base --profiles hybrid --ac off \
-        --out benchmarks/results/gpu_h200_hybrid.json                     # 3 cases, ~3 min
+The hybrid-sharding profiles (zero3_hpz, zero3_zeropp; `--profiles hybrid`) are refused here:
+on one rank DeepSpeed skips the parameter gather (_no_gather_coalesced) and qgZ needs more than
+one node, so each would equal zero3 and measure nothing -- while building zero3_zeropp's
+quantizer JIT-compiles a CUDA op with nvcc (minutes, or a failure without the CUDA toolkit)
+inside the case timeout. They are measured on 2+ nodes: benchmarks/comms/multigpu_hybrid.sh.
 
 Against open_clip on one GPU (docs/benchmarks.md, "Against open_clip"; VENV from
 benchmarks/throughput/openclip_env.sh, built on the GPU host), ~5 minutes; and its CPU smoke test (~1 minute):
@@ -67,14 +64,28 @@ from typing import Callable, Iterator
 if not __package__:   # `python benchmarks/gpu.py`: the package's imports below cannot resolve
     sys.exit("run the benchmarks as modules from the repository root: python -m benchmarks.gpu --out ...")
 
+from benchmarks.gpu_peaks import mfu_per_device, peak_flops
 from benchmarks.harness import base_parser, environment, process_group, run_script, write_report
 
-PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 # micro-batch per GPU: activations ~75 MiB/sample (base) and ~243 MiB/sample (large) without
 # checkpointing (rsclip_ds.planning.memory) -> ~19 / ~31 GB, beside 16 bytes/param of model states.
 MICRO = {"git-rsclip-base": 256, "git-rsclip-large": 128, "tiny": 8}
-# --profiles hybrid: zero3 first, the reference the others are compared with (pair_with_zero3)
+# --profiles hybrid names the hybrid-sharding set; this one-rank benchmark refuses its multi-node
+# profiles (ONE_RANK_REFUSED) with the script that measures them
 PROFILE_SETS = {"hybrid": ["zero3", "zero3_hpz", "zero3_zeropp"]}
+
+
+ONE_RANK_REFUSED = ("zero3_hpz", "zero3_zeropp")
+
+
+def refuse_one_rank_hybrid(profiles: list[str]) -> str | None:
+    """The message refusing hybrid profiles in this one-rank benchmark (None: none asked for)."""
+    asked = [p for p in profiles if p in ONE_RANK_REFUSED]
+    if not asked:
+        return None
+    return (f"--profiles {' '.join(asked)}: on one GPU these equal zero3 (DeepSpeed skips the gather on one "
+            f"rank, qgZ needs 2+ nodes) and zero3_zeropp JIT-builds a CUDA quantizer with nvcc; measure them "
+            f"on 2+ nodes with benchmarks/comms/multigpu_hybrid.sh, and use --profiles zero2 zero3 here")
 
 
 def expand_profiles(names: list[str]) -> list[str]:
@@ -121,12 +132,13 @@ def write_loader_data(root: Path, *, images: int, px: int, shard_size: int = 64)
 
 
 def timed_steps(step: Callable[[dict], object], batches: Iterator[dict], *, warmup: int, seconds: float,
-                max_steps: int, sync: Callable[[], None]) -> dict:
+                max_steps: int, sync: Callable[[], None], after_warmup: Callable[[], dict] = dict) -> dict:
     """`warmup` untimed steps, then steps for `seconds` (at least one, at most `max_steps`) between
     two device syncs. data_wait_s: time spent in next(batches) within the timed span (a loader
     that keeps up answers at once: its workers prepared the batch while the GPU ran)."""
     losses = [float(step(next(batches))) for _ in range(warmup)]
     sync()
+    measured = after_warmup()
     steps, waited, t0 = 0, 0.0, time.perf_counter()
     while steps < max_steps and (steps == 0 or time.perf_counter() - t0 < seconds):
         w0 = time.perf_counter()
@@ -138,7 +150,7 @@ def timed_steps(step: Callable[[dict], object], batches: Iterator[dict], *, warm
     elapsed = time.perf_counter() - t0
     losses.append(float(loss))
     return {"timed_steps": steps, "elapsed_s": elapsed, "data_wait_s": waited, "first_loss": losses[0],
-            "final_loss": losses[-1]}
+            "final_loss": losses[-1], **measured}
 
 
 def _children_cpu_seconds() -> float:
@@ -157,13 +169,20 @@ def _children_cpu_seconds() -> float:
 
 # --------------------------------------------------------------------------- one case (worker)
 
-def peak_flops(device_name: str, override_tflops: float | None) -> float | None:
-    if override_tflops:
-        return override_tflops * 1e12
-    for key, tflops in PEAK_BF16_TFLOPS.items():
-        if key in device_name:
-            return tflops * 1e12
-    return None
+def memory_after_warmup(on_gpu: bool) -> dict:
+    """After the warm-up steps (step 2: optimizer states, buckets and NCCL communicators exist):
+    the device's used bytes (mem_get_info) against the caching allocator's reserved bytes. The
+    difference -- CUDA context, NCCL buffers and communicators, cuBLAS workspaces -- is what the
+    planner's flat 1 GiB reserve (planning/memory.py) stands for, to be fitted from these rows."""
+    if not on_gpu:
+        return {}
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    reserved = torch.cuda.memory_reserved()
+    return {"after_warmup": {"device_used_bytes": total - free, "device_total_bytes": total,
+                             "reserved_bytes": reserved, "allocated_bytes": torch.cuda.memory_allocated(),
+                             "outside_allocator_bytes": total - free - reserved}}
 
 
 def run_case(case: Case, args) -> dict:
@@ -214,6 +233,9 @@ def run_case(case: Case, args) -> dict:
             engine, loss_fn, config = parts.engine, parts.loss_fn, bundle.model.config
             build_s = time.perf_counter() - t0
             dtype = engine_dtype(engine)
+            build_peak = torch.cuda.max_memory_allocated() if info.on_gpu else None
+            if info.on_gpu:   # the steps' own peak: not the whole fp32 model ZeRO-3 built before partitioning
+                torch.cuda.reset_peak_memory_stats()
             if loader_mode:   # the run's loader: worker processes, shards, decode, pinned batches
                 batches = iter(parts.loader)
             else:             # every step trains on the one batch: the time is the model's, not a loader's
@@ -221,7 +243,8 @@ def run_case(case: Case, args) -> dict:
                 batches = itertools.repeat(batch)
             cpu0 = _children_cpu_seconds()
             timing = timed_steps(lambda b: train_step(engine, b, loss_fn, dtype), batches, warmup=args.warmup,
-                                 seconds=args.seconds, max_steps=args.max_steps, sync=acc.synchronize)
+                                 seconds=args.seconds, max_steps=args.max_steps, sync=acc.synchronize,
+                                 after_warmup=lambda: memory_after_warmup(info.on_gpu))
             loader_cpu_s = _children_cpu_seconds() - cpu0   # warm-up included: the workers start there
             params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in bundle.model.parameters())
             del batches
@@ -229,18 +252,20 @@ def run_case(case: Case, args) -> dict:
     samples_per_s = steps * case.micro * info.world_size / elapsed
     flops = flops_per_sample(config)
     name = torch.cuda.get_device_name(device) if info.on_gpu else "cpu"   # e.g. 'NVIDIA H200'
-    peak = peak_flops(name, args.peak_tflops)
+    peak = peak_flops(name, args.precision, args.peak_tflops)   # one device's, at the run's precision
     row = {"case": case.name, **asdict(case), "precision": args.precision, "ok": True,
            "device": name, "world_size": info.world_size, "parameters": params,
            "activation_checkpointing": parts.activation_checkpointing,
            "build_s": build_s, **timing, "data_wait_fraction": timing["data_wait_s"] / elapsed,
-           "samples_per_s": samples_per_s, "step_ms": 1e3 * elapsed / steps,
+           "samples_per_s": samples_per_s, "samples_per_s_per_device": samples_per_s / info.world_size,
+           "step_ms": 1e3 * elapsed / steps,
            "flops_per_sample": flops.to_dict(),
-           "achieved_tflops": flops.train() * samples_per_s / 1e12,
+           "achieved_tflops": flops.train() * samples_per_s / info.world_size / 1e12,
            "peak_tflops": peak / 1e12 if peak else None,
-           "mfu": flops.train() * samples_per_s / peak if peak else None,
-           "hfu": flops.train(case.checkpointing, hardware=True) * samples_per_s / peak if peak else None,
-           "peak_memory_bytes": torch.cuda.max_memory_allocated() if info.on_gpu else None}
+           "mfu": mfu_per_device(flops.train(), samples_per_s, info.world_size, peak),
+           "hfu": mfu_per_device(flops.train(case.checkpointing, hardware=True), samples_per_s, info.world_size, peak),
+           "peak_memory_bytes": torch.cuda.max_memory_allocated() if info.on_gpu else None,   # the steps'
+           "build_peak_memory_bytes": build_peak}
     if loader_mode:
         fed = (args.warmup + steps) * case.micro   # the workers' CPU covers the warm-up batches too
         row.update(loader_workers=args.loader_workers, loader_cpu_s=loader_cpu_s,
@@ -263,23 +288,6 @@ def pair_with_tensor(rows: list[dict]) -> list[dict]:
                           "loader_over_tensor": r["samples_per_s"] / twin["samples_per_s"],
                           "data_wait_fraction": r["data_wait_fraction"], "loader_workers": r["loader_workers"],
                           "loader_samples_per_cpu_s": r["loader_samples_per_cpu_s"]})
-    return pairs
-
-
-def pair_with_zero3(rows: list[dict]) -> list[dict]:
-    """Each ok row of a hybrid profile (zero3_hpz, zero3_zeropp) with its ok zero3 twin (same
-    preset, checkpointing, micro, data): samples/s ratio and final losses (the same batches and
-    seed: hpZ should equal zero3, qwZ/qgZ be close)."""
-    ref = {(r["preset"], r["checkpointing"], r["micro"], r.get("data", "tensor")): r for r in rows
-           if r.get("ok") and r["profile"] == "zero3"}
-    pairs = []
-    for r in rows:
-        twin = ref.get((r["preset"], r["checkpointing"], r["micro"], r.get("data", "tensor")))
-        if r.get("ok") and r["profile"] in PROFILE_SETS["hybrid"][1:] and twin:
-            pairs.append({"case": r["case"], "zero3_case": twin["case"],
-                          "speed_vs_zero3": r["samples_per_s"] / twin["samples_per_s"],
-                          "final_loss": r["final_loss"], "zero3_final_loss": twin["final_loss"],
-                          "rel_loss_diff": abs(r["final_loss"] - twin["final_loss"]) / abs(twin["final_loss"])})
     return pairs
 
 
@@ -333,14 +341,6 @@ def print_table(report: dict) -> None:
             pairs.add_row(p["case"], f"{p['tensor_samples_per_s']:.1f}", f"{p['loader_samples_per_s']:.1f}",
                           f"{p['loader_over_tensor']:.3f}", f"{100 * p['data_wait_fraction']:.1f}%",
                           str(p["loader_workers"]), f"{rate:.0f}" if rate else "-")
-        console.print(pairs)
-    if report.get("hybrid_vs_zero3"):
-        pairs = Table(title="hybrid sharding against zero3 (one GPU: no inter-node traffic to save)")
-        for col in ("case", "vs zero3 samples/s", "final loss", "zero3 final loss", "rel. diff"):
-            pairs.add_column(col, justify="right")
-        for p in report["hybrid_vs_zero3"]:
-            pairs.add_row(p["case"], f"{p['speed_vs_zero3']:.3f}", f"{p['final_loss']:.4f}",
-                          f"{p['zero3_final_loss']:.4f}", f"{p['rel_loss_diff']:.1e}")
         console.print(pairs)
 
 
@@ -406,6 +406,10 @@ def main(argv=None) -> int:
     if args.open_clip:
         return openclip_comparison(args)
     args.profiles = expand_profiles(args.profiles)
+    refused = refuse_one_rank_hybrid(args.profiles)
+    if refused:
+        print(refused, file=sys.stderr)
+        return 2
     todo = cases(args.model, args.profiles, [a == "on" for a in args.ac], args.micro, args.data)
     if args.worker:
         row = run_case(todo[0], args)
@@ -446,7 +450,7 @@ def run_cases(todo: list[Case], args) -> dict:
                        "data": args.data, "loader_workers": args.loader_workers, "data_images": args.data_images,
                        "data_px": args.data_px},
             "environment": environment(args.threads, device=device), "cases": rows,
-            "loader_vs_tensor": pair_with_tensor(rows), "hybrid_vs_zero3": pair_with_zero3(rows),
+            "loader_vs_tensor": pair_with_tensor(rows),
             "seconds": time.perf_counter() - t0}
 
 

@@ -2,8 +2,7 @@
 
 Every field carries a description; unknown keys are rejected. ``load_config`` is the only
 entry point, and it fails (``ConfigError``) before any process group exists, naming the key
-and what is allowed. ``rsclip-ds show-config`` prints the whole tree with descriptions. A section may live in its own
-module (config_faults.py) on the shared base of config_base.py; it is imported here, into the tree.
+and what is allowed. ``rsclip-ds show-config`` prints the whole tree with descriptions.
 """
 
 from __future__ import annotations
@@ -13,12 +12,19 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
-from rsclip_ds.config_base import ConfigError, Strict as _Strict
-from rsclip_ds.config_faults import FaultConfig
+from rsclip_ds.runtime.settings import DistributedConfig, FaultConfig
+
+
+class ConfigError(ValueError):
+    """A run config, profile or batch setting that cannot work; the message names the fix."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
 
 class ModelConfig(_Strict):
@@ -364,6 +370,9 @@ class RunConfig(_Strict):
                                          description="Checkpoints and resume (docs/guides/checkpoints.md).")
     faults: FaultConfig = Field(default_factory=FaultConfig,
                                 description="Dead ranks, SIGTERM, non-finite losses (docs/guides/checkpoints.md).")
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig,
+                                           description="Ranks on a node and on the wire: threads per rank, the "
+                                           "gradients' dtype in the reduction (docs/guides/clusters.md).")
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":

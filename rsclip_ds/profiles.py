@@ -31,7 +31,7 @@ PROFILE_DIR = next((d for d in _CANDIDATES if d.is_dir()), _CANDIDATES[0])
 # Strategy keys a profile may set (handed to DeepSpeed as they are). Not `sparse_gradients`:
 # DeepSpeed 0.19.8 removed it and refuses a config that has it.
 STRATEGY_KEYS = {
-    "zero_optimization", "communication_data_type", "steps_per_print", "wall_clock_breakdown",
+    "zero_optimization", "steps_per_print", "wall_clock_breakdown",
     "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "prescale_gradients",
     "gradient_predivide_factor", "flops_profiler", "comms_logger",
     "tensorboard", "csv_monitor", "memory_breakdown", "dump_state",
@@ -47,6 +47,7 @@ RUN_KEYS = {
     "scheduler": "optim.warmup_steps / steps / optim.min_lr_ratio (engine.warmup_cosine)",
     "gradient_clipping": "optim.gradient_clipping",
     "data_types": "bf16.grad_accum_dtype",
+    "communication_data_type": "distributed.communication_data_type",
 }
 # Our own block, removed before DeepSpeed sees the dict.
 RSCLIP_KEYS = {"description", "gpu_budget", "activation_checkpointing"}
@@ -323,6 +324,35 @@ def grad_accum_dtype(run: RunConfig, profile: Profile) -> str:
     return dtype
 
 
+def communication_dtype(run: RunConfig, profile: Profile) -> str:
+    """DeepSpeed's communication_data_type for this run, always written (the resolved ds_config.json
+    shows the gradients' dtype on the wire): wire_dtype of distributed.communication_data_type,
+    else the precision (what DeepSpeed does when the key is unset)."""
+    return wire_dtype(run.distributed.communication_data_type, profile) or run.precision
+
+
+def wire_dtype(choice: str, profile: Profile) -> str | None:
+    """distributed.communication_data_type ``choice`` -> DeepSpeed's communication_data_type for this run (None: unset, DeepSpeed then reduces in the
+    training precision). ZeRO++ qgZ (zero_quantized_gradients) needs fp16: with more than one node
+    ZeRO-3 hands each gradient, cast to this dtype, to all_to_all_quant_reduce, whose swizzle_quant
+    kernel reads its input as __half (DeepSpeed 0.19.8, ops/csrc/quantization/pt_binding.cpp).
+    A bf16 gradient would be read as an fp16 bit pattern (1e-3 becomes ~0.81: exponent bits
+    misread, no error), an fp32 one as two halves. So auto means fp16 under qgZ and any other
+    choice is refused. fp16 holds bf16 gradients to 3 more mantissa bits; beyond +-65504 they
+    become inf (the non-finite guard stops the run) -- the int4 quantization that follows loses
+    far more."""
+    qgz = profile.strategy.get("zero_optimization", {}).get("zero_quantized_gradients", False)
+    if qgz and choice not in ("auto", "fp16"):
+        raise ConfigError(f"distributed.communication_data_type={choice} with ZeRO++ qgZ ({profile.path.name}: "
+                          f"zero_quantized_gradients): DeepSpeed's quantizer kernel reads gradients as fp16 only, "
+                          f"so {choice} gradients would be misread without an error; use "
+                          f"--set distributed.communication_data_type=auto (fp16), or a profile without qgZ "
+                          f"(zero3_hpz) to reduce in {choice}")
+    if qgz:
+        return "fp16"
+    return None if choice == "auto" else choice
+
+
 def bf16_master_flags(run: RunConfig, profile: Profile, torch_adam: bool) -> dict[str, bool]:
     """bf16.master_weights -> the keys of DeepSpeed's bf16 block: 'bf16' turns on both
     bf16_master_weights_and_grads (the optimizer's master partition and its gradient in bf16) and
@@ -387,6 +417,7 @@ def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu
     sizes = derive_batch(run, world_size)
     values = _run_values(run, sizes, on_gpu, profile.offload_optimizer)
     values["data_types"] = {"grad_accum_dtype": grad_accum_dtype(run, profile)}
+    values["communication_data_type"] = communication_dtype(run, profile)
     values["bf16"].update(bf16_master_flags(run, profile, values["optimizer"]["params"]["torch_adam"]))
     for key, theirs in profile.run_values.items():
         if theirs != values.get(key):

@@ -48,15 +48,29 @@ def train_step(engine, batch: dict, loss_fn: Callable, dtype: torch.dtype) -> to
     return loss.detach()
 
 
-def _rng_state():
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return torch.get_rng_state(), cuda
+def device_rng(accelerator=None):
+    """The accelerator whose generator a rank saves and restores beside the CPU's (DeepSpeed's
+    get_accelerator(), or the stand-in given): None on CPU ranks. The accelerator decides, not
+    torch.cuda.is_available(): CPU ranks on a GPU host would otherwise open a CUDA context on
+    GPU 0 at every RNG call. Its get_rng_state() is the current device's only -- the same state
+    the checkpoint's client_state keeps."""
+    if accelerator is None:
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+    return None if accelerator.device_name() == "cpu" else accelerator
 
 
-def _set_rng_state(state) -> None:
+def _rng_state(accelerator=None):
+    device = device_rng(accelerator)
+    return torch.get_rng_state(), device.get_rng_state() if device is not None else None
+
+
+def _set_rng_state(state, accelerator=None) -> None:
     torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
+    device = device_rng(accelerator)
+    if state[1] is not None and device is not None:
+        device.set_rng_state(state[1])
 
 
 def train_step_global(engine, batches: list[dict], loss_fn: Callable, dtype: torch.dtype) -> torch.Tensor:
@@ -239,8 +253,8 @@ def client_state(step: int, result: TrainResult, data: dict | None) -> dict[str,
     generator of its own device only: a resume may see fewer devices per process) and data
     position, and the run's history (`result`, the same on every rank: the Checkpointer stores
     it once)."""
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    return {"step": step, "data": data, "rng": {"torch": torch.get_rng_state(), "cuda": cuda},
+    cpu, cuda = _rng_state()
+    return {"step": step, "data": data, "rng": {"torch": cpu, "cuda": cuda},
             "result": result.to_dict()}
 
 
@@ -257,14 +271,12 @@ def restore_client_state(state: dict[str, Any]) -> tuple[int, TrainResult]:
     return state["step"], result
 
 
-def _set_saved_rng(rng: dict[str, Any]) -> None:
-    torch.set_rng_state(rng["torch"])
-    cuda = rng["cuda"]
-    if cuda is not None and torch.cuda.is_available():
-        if isinstance(cuda, (list, tuple)):   # checkpoints of rsclip_ds 0.1: every visible device's
-            cuda = cuda[torch.cuda.current_device()] if torch.cuda.current_device() < len(cuda) else None
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda)
+def _set_saved_rng(rng: dict[str, Any], accelerator=None) -> None:
+    cuda, device = rng["cuda"], device_rng(accelerator)
+    if isinstance(cuda, (list, tuple)):   # checkpoints of rsclip_ds 0.1: every visible device's
+        index = device.current_device() if device is not None else -1
+        cuda = cuda[index] if 0 <= index < len(cuda) else None
+    _set_rng_state((rng["torch"], cuda), accelerator)
 
 
 def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes, steps: int,

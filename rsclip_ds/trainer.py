@@ -27,8 +27,10 @@ import torch
 from rsclip_ds.checkpoint import Checkpointer, checkpoint_root, prepare_fresh_root, resume_tag, write_hf_extras
 from rsclip_ds.config import ConfigError, RunConfig
 from rsclip_ds.data import build_train_loader, check_shared_memory, expand_urls
-from rsclip_ds.runtime.distributed import (DistInfo, StopFlag, accelerator_is_gpu, configure_logging,
-                                   configure_wandb_offline, destroy_distributed, init_distributed,
+from rsclip_ds.data.loader import available_cores
+from rsclip_ds.runtime.distributed import (DistInfo, StopFlag, accelerator_is_gpu, check_launch_env,
+                                   configure_logging, configure_wandb_offline, destroy_distributed,
+                                   init_distributed, set_threads_per_rank,
                                    process_group_exists, seconds_since_process_start, world_size_from_env)
 from rsclip_ds.engine import build_engine, lr_scheduler, set_fp32_masters
 from rsclip_ds.evaluation.hook import build_eval_hook
@@ -56,6 +58,7 @@ Hook = Callable[[int, Any], "dict | None"]
 def check_run(run: RunConfig, *, shards: bool = True) -> tuple[Profile, dict]:
     """Everything that can fail without a process group: profile, DeepSpeed config, model
     source, shards (unless the caller brings its own batches). Raises ConfigError naming the fix."""
+    check_launch_env()   # before world_size_from_env() takes a missing WORLD_SIZE for a world of one
     profile = load_profile(run.profile)
     ds_config = build_ds_config(run, profile, world_size_from_env(), on_gpu=accelerator_is_gpu())
     check_source(run.model)
@@ -193,9 +196,13 @@ class Trainer:
                 run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
                 max_text_length=bundle.max_text_length, micro_batch_size=batch.micro,
                 rank=info.rank, world_size=info.world_size, seed=run.seed, local_world_size=info.local_world_size,
-                state=resume["data"] if resume else None, cache_dir=run.output_dir)
+                state=resume["data"] if resume else None, pin_memory=info.on_gpu, cache_dir=run.output_dir)
             if self.loader is None:   # its workers hand batches over /dev/shm: fail now, not with SIGBUS later
                 check_shared_memory(loader, held=batch.accumulation, local_ranks=info.local_world_size)
+        threads, why = set_threads_per_rank(run.distributed.threads_per_rank, available_cores(),
+                                            info.local_world_size, getattr(loader, "num_workers", 0))
+        if info.rank == 0:
+            log.info("threads per rank: %d (%s)", threads, why)
         if self.wrap_loader is not None:
             loader = self.wrap_loader(loader)
         loss_fn = build_loss(run.loss.name, negatives=run.loss.negatives, rank=info.rank,

@@ -17,6 +17,7 @@ through its verdict) within peer timeout + 2 intervals.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -140,12 +141,16 @@ def print_tables(report: dict) -> None:
         print(f"all_to_all / rank0 requests per second at W={w}: {ratio:.0f}x")
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = base_parser(__doc__)
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--interval", type=float, default=2.0, help="faults.heartbeat_s (default 2)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     runs, ratios = [], {}
     for world in args.ranks:
         old = simulate("all_to_all", world, args.seconds, args.interval)

@@ -331,10 +331,10 @@ def plot(report: dict, path: Path) -> str | None:
     return save_figure(plt, fig, path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "decode.json")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results" / "decode.json")
     p.add_argument("--sources", type=int, nargs="+", default=[64, 256, 600], help="JPEG sides, px")
     p.add_argument("--sizes", type=int, nargs="+", default=[224, 256], help="model input sides, px")
     p.add_argument("--num-images", type=int, default=48)
@@ -345,7 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--images", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--reference", type=Path, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.worker:
         return _worker(args)
     from benchmarks.harness import write_report

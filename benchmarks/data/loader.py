@@ -42,6 +42,7 @@ is the hand-over to the main process and its work (pickling, the fd passing, map
 
 from __future__ import annotations
 
+import argparse
 import io
 import itertools
 import os
@@ -169,8 +170,9 @@ def _consume(batch: dict, keep: dict) -> None:
 def loader_rate(pattern: str, tokenizer, size: int, workers: int, micro: int, samples: int,
                 exclude: set[int] = frozenset(), consume: bool = True, **data) -> dict:
     """{"wall": loader samples/s per worker, "cpu": samples per CPU-second of the main process and
-    its workers, "main_cpu_share": the main process's part}, after each worker delivered its
-    first batch."""
+    its workers, "main_cpu_share": the main process's part, "fast_transform": whether its image
+    transform took the fast path (draft-scale decode, torch resize)}, after each worker delivered
+    its first batch."""
     loader = build_loader(pattern, tokenizer, size, workers, micro, **data)
     it, keep = iter(loader), {}
     for _ in range(2 * max(1, workers)):   # start-up: process start, buffer fill
@@ -186,7 +188,7 @@ def loader_rate(pattern: str, tokenizer, size: int, workers: int, micro: int, sa
     del it
     main, work = m1 - m0, w1 - w0
     return {"wall": batches * micro / elapsed / max(1, workers), "cpu": batches * micro / (main + work),
-            "main_cpu_share": main / (main + work)}
+            "main_cpu_share": main / (main + work), "fast_transform": loader.prep.transform.fast}
 
 
 # --------------------------------------------------------------------------- where the time goes
@@ -289,6 +291,7 @@ def measure(args, pattern, jpegs, tokenizer, size: int, workers: int) -> dict:
         out[name] = {"per_cpu_second": [v["cpu"] for v in values], "per_worker_wall": [v["wall"] for v in values]}
         if name.startswith("loader"):
             out[name]["main_cpu_share"] = [v["main_cpu_share"] for v in values]
+            out[name]["fast_transform"] = values[0]["fast_transform"]
         out[name]["per_cpu_second_summary"] = _summary(out[name]["per_cpu_second"])
     ratios = {}
     for num, den in (("loader", "bare_pil"), ("loader", "bare_fast"), ("loader", "bare_tensor"),
@@ -409,7 +412,7 @@ def plot(report: dict, path: Path) -> str | None:
     return save_figure(plt, fig, path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = base_parser(__doc__, out=ROOT / "benchmarks" / "results" / "loader.json")
     p.add_argument("--num-images", type=int, default=1024)
     p.add_argument("--source-px", type=int, default=256)
@@ -422,7 +425,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--no-consume", action="store_true", help="the main process does not copy the batches")
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip the stage split")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     write_report(run(args), args.out, print_table, plot)
     return 0
 

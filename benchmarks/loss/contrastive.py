@@ -26,6 +26,7 @@ machine; the byte counts are deterministic.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import gc
 import statistics
@@ -365,8 +366,12 @@ def plot(report: dict, path: Path) -> str | None:
 
 # --------------------------------------------------------------------------- entry point
 
+def parse_args(argv=None) -> argparse.Namespace:
+    return base_parser(__doc__, tiny=True).parse_args(argv)
+
+
 def main(argv=None) -> int:
-    args = base_parser(__doc__, tiny=True).parse_args(argv)
+    args = parse_args(argv)
     cfg = TINY if args.tiny else FULL
     with process_group(args.threads) as info:   # a one-rank group on localhost without a launcher
         rank, world = info.rank, info.world_size

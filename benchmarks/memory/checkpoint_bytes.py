@@ -13,6 +13,7 @@ model state splits over the ranks; what grows per rank with the ranks or the ste
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -67,13 +68,17 @@ def print_tables(report: dict) -> None:
               f"rsclip_ds files {b.get('rsclip_ds', 0):>8,} B; overhead per rank {r['overhead_per_rank']:,.0f} B")
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = base_parser(__doc__)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--tree", type=Path, default=ROOT, help="the rsclip_ds checkout to run (default: this one)")
     parser.add_argument("--data", type=Path, default=Path("runs/bench_data"))
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     t0 = time.perf_counter()
     data = synthetic_data(args.data.resolve(), 0, num_train=1024, num_val=64, shard_size=128)
     runs = []

@@ -12,6 +12,10 @@ text width 256, depth 4, patch 16, 128 px, 64 tokens, 20.05M parameters), micro-
 rank of in-memory batches (no loader: the engine alone), global SigLIP loss, one torch thread
 per rank. Faults and sys time are getrusage(RUSAGE_SELF) deltas on rank 0 around each phase,
 summed over the steps after --warmup and divided by their count; MB = faults x 4096 bytes.
+Each case also records how its rank-0 process was set up, for tests on any machine: what
+`keep_freed_memory` returned (glibc's mallopt calls succeeded), whether a fresh 64 MiB block then
+lies in the brk heap (kept) or in a mapping of its own (glibc's default), and whether its AdamW
+is torch's fused one.
 """
 
 from __future__ import annotations
@@ -52,11 +56,25 @@ def model(tiny: bool):
     return new_dual_encoder(config), size
 
 
+def block_in_heap(nbytes: int = 64 * 2**20) -> bool:
+    """Whether a fresh block of `nbytes` (above glibc's 32 MiB mmap ceiling) comes from the brk
+    heap ([heap] in /proc/self/maps) rather than from a mapping of its own: where malloc serves
+    DeepSpeed's per-step buffers, and so whether freeing one gives its pages back."""
+    block = torch.empty(nbytes, dtype=torch.uint8)   # untouched: no page is faulted in
+    address = block.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= address < hi:
+            return fields[-1] == "[heap]"
+    raise RuntimeError(f"address {address:#x} of a live tensor is in no mapping of /proc/self/maps")
+
+
 def worker(args) -> None:
     from rsclip_ds.runtime.host_memory import keep_freed_memory
 
-    if args.allocator == "keep":
-        keep_freed_memory()    # before the process group: gloo's threads then share the one arena
+    # before the process group: gloo's threads then share the one arena
+    applied = keep_freed_memory() if args.allocator == "keep" else None
     with process_group(1) as info:
         from rsclip_ds.config import load_config
         from rsclip_ds.losses import build_loss
@@ -88,7 +106,9 @@ def worker(args) -> None:
                 ds_config["optimizer"]["params"].pop("fused")
             engine = build_engine(net, ds_config, param_groups(net, run.optim), lr_scheduler(2, 100, 0.0))
             forward, backward, step = (lambda: engine(pixels, ids)), engine.backward, engine.step
+            opt = engine.basic_optimizer   # the torch AdamW inside DeepSpeed's ZeRO optimizer
         totals = {p: [0, 0.0, 0.0] for p in PHASES}   # faults, sys s, wall s
+        step_faults = 0                                # the same steps' faults, first mark to last
 
         def mark():
             r = resource.getrusage(resource.RUSAGE_SELF)
@@ -104,12 +124,15 @@ def worker(args) -> None:
             step()
             marks.append(mark())
             if i >= args.warmup:
+                step_faults += marks[-1][0] - marks[0][0]
                 for phase, a, b in zip(PHASES, marks, marks[1:]):
                     for j in range(3):
                         totals[phase][j] += b[j] - a[j]
         n = args.steps
         if info.rank == 0:
-            report = {"parameters": params, "steps": n,
+            report = {"parameters": params, "steps": n, "allocator": args.allocator, "allocator_applied": applied,
+                      "large_block_in_heap": block_in_heap(), "optimizer": type(opt).__name__,
+                      "adamw_fused": bool(opt.defaults.get("fused")), "faults_total_per_step": step_faults / n,
                       "faults_per_step": {p: v[0] / n for p, v in totals.items()},
                       "sys_ms_per_step": {p: 1e3 * v[1] / n for p, v in totals.items()},
                       "wall_ms_per_step": {p: 1e3 * v[2] / n for p, v in totals.items()}}
@@ -136,14 +159,18 @@ def print_tables(report: dict) -> None:
     Console(width=160).print(table)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = base_parser(__doc__, tiny=True)
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 15; --tiny 3)")
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured steps first (default 5; --tiny 2)")
     parser.add_argument("--worker", nargs=3, metavar=("ENGINE", "ALLOCATOR", "OPTIMIZER"), help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     args.steps = args.steps or (3 if args.tiny else 15)
     args.warmup = args.warmup or (2 if args.tiny else 5)
     if args.worker:

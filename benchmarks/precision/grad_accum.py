@@ -28,6 +28,7 @@ the buffer that accumulates this rank's gradients (inspected after one more back
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -69,16 +70,11 @@ def reference_grads(config, pixels, ids) -> list[torch.Tensor]:
 
 def ds_config(profile: str, accum: str, comm: str | None, micro: int, k: int, world: int, folder: Path) -> dict:
     """Our config for a bf16 run of this profile, made an SGD(lr=1) config (update = gradient)."""
-    path = load_profile(profile).path
-    if comm:   # communication_data_type is a strategy key: a copy of the profile with it
-        raw = json.loads(path.read_text())
-        raw["communication_data_type"] = comm
-        path = folder / f"{profile}.json"
-        path.write_text(json.dumps(raw))
-    run = load_config(None, [f"profile={path}", "precision=bf16", f"bf16.grad_accum_dtype={accum}",
+    run = load_config(None, [f"profile={profile}", "precision=bf16", f"bf16.grad_accum_dtype={accum}",
                              f"batch.micro_batch_size={micro}", f"batch.gradient_accumulation_steps={k}",
-                             "batch.accumulation=global", "steps=2", "optim.warmup_steps=0"])
-    config = build_ds_config(run, load_profile(str(path)), world, on_gpu=False)
+                             "batch.accumulation=global", "steps=2", "optim.warmup_steps=0",
+                             f"distributed.communication_data_type={comm or 'auto'}"])
+    config = build_ds_config(run, load_profile(profile), world, on_gpu=False)
     config.pop("optimizer")
     config.update(gradient_clipping=0.0, zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
     return config
@@ -174,12 +170,16 @@ def print_table(report: dict) -> None:
     Console(width=200).print(table)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = base_parser(__doc__)
     parser.add_argument("--profiles", nargs="*", default=None, help="default: every ds_profiles/*.json")
     parser.add_argument("--k", type=int, default=8, help="micro-batches per optimizer step")
     parser.add_argument("--micro", type=int, default=4, help="samples per rank per micro-batch")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     with process_group(args.threads) as info, tempfile.TemporaryDirectory() as tmp:
         t0, rows = time.perf_counter(), []
         config = preset_config("tiny")

@@ -25,6 +25,7 @@ JSON given by --out and a PNG beside it; rank 0 prints the table. Measured here:
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import statistics
 import sys
@@ -203,14 +204,18 @@ def plot(report: dict, path: Path) -> str | None:
 
 # --------------------------------------------------------------------------- entry point
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = base_parser(__doc__, tiny=True)
     parser.add_argument("--data", type=Path, default=Path("runs/bench_data"),
                         help="where the synthetic shards are written (reused when present) and the runs write")
     parser.add_argument("--profile", default="zero2", help="ds_profiles/ name (with optimizer offload every mode "
                         "runs DeepSpeedCPUAdam, which bf16 masters need: a JIT build on first use)")
     parser.add_argument("--steps", type=int, default=None, help="override the steps of every run")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     cfg = TINY if args.tiny else FULL
     if args.steps:
         cfg = BenchConfig(**{**asdict(cfg), "steps": args.steps})

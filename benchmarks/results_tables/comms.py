@@ -1,4 +1,4 @@
-"""Sections of docs/results.md: benchmarks/comms/ (bytes per step against the model, hpZ, scaling on
+"""Sections of docs/results/comms.md: benchmarks/comms/ (bytes per step against the model, hpZ, scaling on
 paper with the 4 x A100 check, heartbeat store traffic)."""
 
 from __future__ import annotations
@@ -9,23 +9,26 @@ from benchmarks.results_tables.format import MiB, fix, pct, sig, table
 def _comms_cells(r: dict) -> list[str]:
     e = r["engine"]
     return [f"{fix(e['predicted'] / MiB)} / {fix(e['logged'] / MiB)} ({fix(e['ratio'], 4)})",
-            fix(sum(r["ring_bytes_per_rank"].values()) / MiB)]
+            fix(r["c10d"]["ratio"], 4), fix(sum(r["ring_bytes_per_rank"].values()) / MiB)]
+
+
+C10D = ("c10d: the torch profiler's bytes (the engine's and the loss's collectives) over the model's "
+        "(`c10d` in the JSON); ring: what the model says a rank sends with ring algorithms (engine + loss)")
 
 
 def _comms_table(files: dict[str, dict]) -> list[str]:
-    """One row per (profile, k, loop), a column pair per file (its world size): engine bytes
-    predicted / logged (ratio) and the ring bytes; the c10d ratios (engine + loss) as their range."""
+    """One row per (profile, k, loop), a column triple per file (its world size): engine bytes
+    predicted / logged (ratio), the c10d ratio (engine + loss) and the ring bytes."""
     keyed = {n: {(r["profile"], r["accumulation"], r["mode"]): r for r in rep["rows"]} for n, rep in files.items()}
     keys = list(dict.fromkeys(k for rows in keyed.values() for k in rows))
     header = ["profile", "k", "loop"]
     for rep in files.values():
         w = rep["environment"]["world_size"]
-        header += [f"{w} ranks: predicted / logged MiB (ratio)", f"{w} ranks: ring MiB"]
-    rows = [[*key, *(c for rows in keyed.values() for c in (_comms_cells(rows[key]) if key in rows else ["-", "-"]))]
+        header += [f"{w} ranks: predicted / logged MiB (ratio)", f"{w} ranks: c10d", f"{w} ranks: ring MiB"]
+    gap = ["-", "-", "-"]
+    rows = [[*key, *(c for rows in keyed.values() for c in (_comms_cells(rows[key]) if key in rows else gap))]
             for key in keys]
-    c10d = [r["c10d"]["ratio"] for rep in files.values() for r in rep["rows"]]
-    return table(header, rows) + [f"torch profiler's c10d bytes (engine + loss) / the model: {fix(min(c10d), 4)}.."
-                                  f"{fix(max(c10d), 4)} (`c10d` in the JSON).", ""]
+    return table(header, rows)
 
 
 def _calls_changed(a: dict, b: dict) -> str:
@@ -40,7 +43,7 @@ def comms(files: dict) -> list[str]:
     plain = {n: rep for n, rep in files.items() if rep["config"]["bucket"] is None}
     c = next(iter(plain.values()))["config"]
     out = [f"Per optimizer step and rank (messages, DeepSpeed's comms logger); {c['precision']}, micro {c['micro']}, "
-           f"width {c['hidden']} ({c['parameters']:,} parameters); tolerance {pct(c['tolerance'])}:", ""]
+           f"width {c['hidden']} ({c['parameters']:,} parameters); tolerance {pct(c['tolerance'])}; {C10D}:", ""]
     out += _comms_table(plain)
     base = {(r["profile"], r["accumulation"], r["mode"]): r for r in files["comms_w2.json"]["rows"]}
     for name, rep in files.items():
@@ -62,7 +65,8 @@ def comms_hpz(files: dict) -> list[str]:
     """ZeRO-3 with hpZ beside plain ZeRO-3 on 4 ranks."""
     rep = files["comms_w4_hpz.json"]
     c = rep["config"]
-    out = [f"{c['precision']}, micro {c['micro']}, width {c['hidden']} ({c['parameters']:,} parameters):", ""]
+    out = [f"{c['precision']}, micro {c['micro']}, width {c['hidden']} ({c['parameters']:,} parameters); columns as in "
+           "[comms](#comms):", ""]
     return out + _comms_table(files)
 
 
@@ -98,8 +102,9 @@ def scaling(files: dict) -> list[str]:
 
 
 def a100(check: list[dict]) -> list[str]:
-    """The 4 x A100 check, a row per (model, samples/GPU), a column pair per link: the 4-GPU side at
-    the first overlap (profile, step s, comm s) and the speed-up at every overlap."""
+    """The 4 x A100 check, a row per (model, samples/GPU): the 1-GPU side, then per link the 4-GPU
+    side at each overlap (profile, step s, comm s: the planner may pick another profile once
+    communication hides) and the speed-up at each overlap."""
     def shape(side: dict, n: int) -> str:       # micro x k only where it is not samples/GPU x 1
         mk = "" if (side["micro"], side["accumulation"]) == (n, 1) else f" {side['micro']}x{side['accumulation']}"
         return side["profile"] + mk + (" ckpt" if side["checkpointing"] else "")
@@ -109,18 +114,20 @@ def a100(check: list[dict]) -> list[str]:
     at = {(r["model"], r["per_gpu"], r["link"], r["overlap"]): r for r in check}
     rows = []
     for model, n in dict.fromkeys((r["model"], r["per_gpu"]) for r in check):
-        first = at[(model, n, links[0], overlaps[0])]
-        row = [model, n, f"{shape(first['one'], n)}, {fix(first['one']['step_s'], 3)}"]
+        mine = [at[(model, n, link, o)] for link in links for o in overlaps]
+        one = dict.fromkeys(f"{shape(r['one'], n)}, {fix(r['one']['step_s'], 3)}" for r in mine)  # 1 GPU: no comm
+        row = [model, n, " / ".join(one)]
         for link in links:
-            f = at[(model, n, link, overlaps[0])]["four"]
-            row += [f"{shape(f, n)}, {fix(f['step_s'], 3)} ({fix(f['comm_s'], 3)})",
-                    " / ".join(f"{fix(at[(model, n, link, o)]['speedup'])}x" for o in overlaps)]
+            four = [at[(model, n, link, o)]["four"] for o in overlaps]
+            row += [f"{shape(f, n)}, {fix(f['step_s'], 3)} ({fix(f['comm_s'], 3)})" for f in four]
+            row += [" / ".join(f"{fix(at[(model, n, link, o)]['speedup'])}x" for o in overlaps)]
         rows.append(row)
-    over = " / ".join(fix(o, 0) for o in overlaps)
+    over = " / ".join(f"{o:g}" for o in overlaps)
     header = ["model", "samples/GPU", "1 GPU",
-              *(c for link in links for c in (f"{link}: 4 GPUs", f"{link}: speed-up, overlap {over}"))]
-    return [f"4 x A100 80GB against one (weak scaling): the planner's profile, step s (comm s) at overlap "
-            f"{fix(overlaps[0], 0)}; speed-up = 4 x step(1) / step(4):", "", *table(header, rows)]
+              *(c for link in links for c in (*(f"{link}: 4 GPUs, overlap {o:g}" for o in overlaps),
+                                               f"{link}: speed-up, overlap {over}"))]
+    return ["4 x A100 80GB against one (weak scaling): the planner's profile, step s (comm s) at each overlap; "
+            "speed-up = 4 x step(1) / step(4):", "", *table(header, rows)]
 
 
 def heartbeat(files: dict) -> list[str]:

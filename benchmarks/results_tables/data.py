@@ -1,4 +1,4 @@
-"""Sections of docs/results.md: benchmarks/data/ (JPEG decoders on one core, the loader per CPU-second)."""
+"""Sections of docs/results/data.md: benchmarks/data/ (JPEG decoders on one core, the loader per CPU-second)."""
 
 from __future__ import annotations
 

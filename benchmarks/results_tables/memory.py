@@ -1,4 +1,4 @@
-"""Sections of docs/results.md: benchmarks/memory/ (states and activations per rank, fine-tuning
+"""Sections of docs/results/memory.md: benchmarks/memory/ (states and activations per rank, fine-tuning
 controls, the peak of a step, the model build, checkpoint bytes, per-step page faults)."""
 
 from __future__ import annotations
@@ -17,19 +17,22 @@ def _offloaded(o: dict, unit: int) -> str:
 
 
 def _memory_rows(rep: dict, unit: int, mode: str | None = None) -> list[list]:
-    """A row per profile: states, offloaded states, measured gradients + optimizer (all places), activations."""
+    """A row per profile: states, offloaded states, measured gradients + optimizer (all places),
+    activations, and the process's peak RSS so far where the file has it (`peak_bytes`)."""
     rows = []
     for p in rep["profiles"]:
         m = p["measured"]
         grads_optim = m["grads_gpu"] + m["grads_cpu"] + m["optimizer_gpu"] + m["optimizer_cpu"]
         rows.append(([mode] if mode else []) + [
             p["profile"], pvm(p["gpu"], unit), _offloaded(p["offload"], unit), sig(grads_optim / unit, 4),
-            pvm(p["activations"], unit)])
+            pvm(p["activations"], unit), sig(p["peak_bytes"] / unit, 4) if "peak_bytes" in p else "-"])
     return rows
 
 
 MEMORY_COLUMNS = ["profile", "states on the accelerator", "offloaded states", "grads + optim",
-                  "activations (one micro-batch)"]
+                  "activations (one micro-batch)", "peak RSS so far"]
+PEAK_RSS = ("peak RSS so far: the process's `ru_maxrss` after the profile (`peak_bytes`), cumulative over the rows "
+            "(one process runs them in order); a step's own peak: [memory-peak](#memory-peak)")
 
 
 def _memory_label(rep: dict) -> str:
@@ -43,14 +46,14 @@ def memory(files: dict) -> list[str]:
     rep = files["memory.json"]
     c = rep["config"]
     out = [f"{_memory_label(rep)}; MiB per rank, predicted / measured (ratio); tolerances: states "
-           f"{pct(c['model_tolerance'])}, activations {pct(c['activation_tolerance'])}:", ""]
+           f"{pct(c['model_tolerance'])}, activations {pct(c['activation_tolerance'])}; {PEAK_RSS}:", ""]
     return out + table(MEMORY_COLUMNS, _memory_rows(rep, MiB))
 
 
 def memory_finetune(files: dict) -> list[str]:
     """The fine-tuning runs (--set finetune.*) and git-rsclip-base's, one table, a group of rows per file."""
-    out = ["MiB per rank, predicted / measured (ratio); each file's first row names its run (the full tiny model: "
-           "[memory](#memory)):", ""]
+    out = ["MiB per rank, predicted / measured (ratio) and peak RSS so far, as in [memory](#memory) (the full tiny "
+           "model); each file's first row names its run:", ""]
     rows = []
     for name, rep in files.items():
         group = _memory_rows(rep, MiB, f"`{name}` ({_memory_label(rep)})")
@@ -92,15 +95,15 @@ def build_rss(files: dict) -> list[str]:
 
 
 def checkpoint_bytes(files: dict) -> list[str]:
-    """Each file (this checkout, an older one) x ranks: bytes by kind of checkpoint file."""
+    """Each file (this checkout, an older one) x ranks: bytes by kind of checkpoint file, and in all."""
     b = (lambda r, kind: f"{r['bytes'][kind]:,}")
     rows = [[f"`{name}`", r["ranks"], f"{r['model_states_file_bytes'][0]:,}", b(r, "deepspeed_model_states"),
-             b(r, "deepspeed_optim_states"), b(r, "rsclip_ds"), sig(r["overhead_per_rank"])]
+             b(r, "deepspeed_optim_states"), b(r, "rsclip_ds"), f"{r['total']:,}", sig(r["overhead_per_rank"])]
             for name, rep in files.items() for r in rep["runs"]]
     steps = next(iter(files.values()))["config"]["steps"]    # ZeRO-3 and tiny: the script's fixed setting
     head = f"ZeRO-3, tiny, {steps} steps, one checkpoint; bytes:"
     return [head, ""] + table(["file", "ranks", "model-state file per rank", "DeepSpeed model states (all ranks)",
-                               "optimizer states", "rsclip_ds files", "overhead per rank"], rows)
+                               "optimizer states", "rsclip_ds files", "total", "overhead per rank"], rows)
 
 
 def step_faults(files: dict) -> list[str]:

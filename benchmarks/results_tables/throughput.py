@@ -1,15 +1,14 @@
-"""Sections of docs/results.md: benchmarks/throughput/ (our loop against a bare DeepSpeed loop and the
+"""Sections of docs/results/throughput.md: benchmarks/throughput/ (our loop against a bare DeepSpeed loop and the
 Hugging Face Trainer; against open_clip's trainer) and benchmarks/gpu.py."""
 
 from __future__ import annotations
 
 from benchmarks.results_tables.format import GiB, fix, pct, sig, spread, table
 
-RUN_RATIOS = ("ours/bare", "ours/trainer")     # the two with targets (>= 0.97, > 1): one column each per run
-
 
 def throughput(files: dict) -> list[str]:
-    """throughput.json in full; every run (earlier ones too) as a row of its headline numbers."""
+    """throughput.json in full; every run (earlier ones too) as a column of the ratios and a row of
+    its other headline numbers."""
     cur = files["throughput.json"]
     c = cur["config"]
     out = [f"{c['preset']} preset, `{c['profile']}`, {c['precision']}, micro {c['micro']} per rank x "
@@ -19,15 +18,17 @@ def throughput(files: dict) -> list[str]:
     out += table(["loop", "samples/s median (min..max)", "CPU ms/sample", "data wait"],
                  [[name, spread({**r, "median": r["median_samples_per_s"]}, rate), fix(r["median_cpu_ms_per_sample"]),
                    pct(r["median_data_wait_fraction"], 1)] for name, r in cur["summary"]["loops"].items()])
-    out += table(["ratio, paired within each repeat", "wall-clock median (min..max)", "CPU time per sample"],
-                 [[n, spread(r, fix), fix(r["cpu_median"])] for n, r in cur["summary"]["ratios"].items()])
+    names = list(dict.fromkeys(n for rep in files.values() for n in rep["summary"]["ratios"]))
+    ratio = (lambda r: "-" if r is None else f"{spread(r, fix)} / {fix(r['cpu_median'])}")
+    out += ["Ratios paired within each repeat, per run: wall-clock median (min..max) / CPU time per sample:", ""]
+    out += table(["ratio", *(f"`{name}`" for name in files)],
+                 [[n, *(ratio(rep["summary"]["ratios"].get(n)) for rep in files.values())] for n in names])
     loops = [p["loop"] for p in cur["python_self_time"]]
-    ratio = (lambda r: "-" if r is None else f"{fix(r['median'])} / {fix(r['cpu_median'])}")
-    out += ["Per run: ratios as wall / CPU medians; Python self time per step in each loop's own code; "
-            "summary.json's rate over the steps' (with the final save):", ""]
-    out += table(["run", "wall s", *RUN_RATIOS, "loader alone, samples/s", "x what ours consumes",
+    out += ["Per run: Python self time per step in each loop's own code; summary.json's rate over the steps' "
+            "(with the final save):", ""]
+    out += table(["run", "wall s", "loader alone, samples/s", "x what ours consumes",
                   "Python ms/step: " + " / ".join(loops), "summary / steps"],
-                 [[f"`{name}`", sig(rep["seconds"]), *(ratio(rep["summary"]["ratios"].get(n)) for n in RUN_RATIOS),
+                 [[f"`{name}`", sig(rep["seconds"]),
                    rate(rep["loader"]["samples_per_s"]), fix(rep["loader"]["headroom_over_ours"], 1),
                    " / ".join(fix(p["self_ms_per_step"]) for p in rep["python_self_time"]),
                    fix(rep["summary_rate_with_final_checkpoint"]["summary_over_steps"])]

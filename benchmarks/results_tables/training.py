@@ -1,4 +1,4 @@
-"""Sections of docs/results.md: benchmarks/loss/ (loss memory and accumulation) and
+"""Sections of docs/results/training.md: benchmarks/loss/ (loss memory and accumulation) and
 benchmarks/precision/ (bf16 gradient accumulation, bf16 master weights)."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from benchmarks.results_tables.format import MiB, fix, pct, sig, table
 
 
 def contrastive(files: dict) -> list[str]:
-    """Loss forms per global batch (held bytes, their ratios, time); accumulation per k (saved activations)."""
+    """Loss forms per global batch (held bytes, their ratios, time); accumulation per k (saved
+    activations, step seconds)."""
     rep = files["contrastive.json"]
     c = rep["config"]
     held = {(r["form"], r["B_global"]): r["held_bytes_max_rank"] for r in rep["loss_forms"]}
@@ -24,8 +25,10 @@ def contrastive(files: dict) -> list[str]:
     acc = {(r["mode"], r["k"]): r for r in rep["accumulation"]}
     modes = ("plain", "global", "big_batch")
     out += [f"Accumulation: {c['layers']}-layer width-{c['width']} SigLIP, micro {c['micro']} per rank:", ""]
-    return out + table(["k", "peak saved MiB " + " / ".join(modes), "step time global / plain"],
+    return out + table(["k", "peak saved MiB " + " / ".join(modes), "step s " + " / ".join(modes),
+                        "step time global / plain"],
                        [[a["k"], " / ".join(sig(acc[(m, a["k"])]["peak_saved_bytes"] / MiB) for m in modes),
+                         " / ".join(fix(acc[(m, a["k"])]["step_seconds"], 3) for m in modes),
                          fix(a["global_over_plain_time"])] for a in rep["accumulation_ratios"]])
 
 

@@ -238,7 +238,16 @@ def quality(ctx: Ctx, steps: int) -> list[dict]:
 
 # --------------------------------------------------------------------------- entry point
 
+def wants_open_clip(argv: list[str]) -> bool:
+    """--open-clip VENV hands the whole command to benchmarks.throughput.openclip (its own flags)."""
+    return any(a == "--open-clip" or a.startswith("--open-clip=") for a in argv)
+
+
 def parse_args(argv):
+    if wants_open_clip(argv):
+        from benchmarks.throughput.openclip import parse_args as openclip_args
+
+        return openclip_args(argv)
     parser = base_parser(__doc__, tiny=True)
     parser.add_argument("--data", type=Path, default=Path("runs/bench_data"),
                         help="where the synthetic shards are written (reused when present)")
@@ -265,7 +274,7 @@ def loops_to_run(no_trainer: bool) -> tuple[list[str], list[str]]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if any(a == "--open-clip" or a.startswith("--open-clip=") for a in argv):   # the open_clip comparison
+    if wants_open_clip(argv):
         from benchmarks.throughput.openclip import main as openclip_main
 
         return openclip_main(argv)

@@ -59,6 +59,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--master-weights", default="fp32", choices=["fp32", "bf16"],
                    help="the run's bf16.master_weights: bf16 keeps no fp32 master copy (10 instead of 16 bytes "
                         "per trainable parameter; --precision bf16 only; docs/guides/precision.md)")
+    p.add_argument("--communication-data-type", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="the run's distributed.communication_data_type: the gradients' dtype on the wire (auto: "
+                        "the precision; fp16 under qgZ, which refuses any other)")
     p.add_argument("--loss", default="siglip", choices=["siglip", "clip"])
     p.add_argument("--negatives", default="global", choices=["global", "local"])
     p.add_argument("--accumulation", default="global", choices=["global", "plain"])
@@ -78,7 +81,9 @@ def _overrides(row, args) -> list[str]:
             f"model.activation_checkpointing={str(row.checkpointing).lower()}",
             f"batch.micro_batch_size={row.micro}", f"batch.gradient_accumulation_steps={row.accumulation}",
             f"batch.accumulation={args.accumulation}", f"loss.name={args.loss}", f"loss.negatives={args.negatives}",
-            *([f"bf16.master_weights={args.master_weights}"] if args.master_weights != "fp32" else []), *args.set]
+            *([f"bf16.master_weights={args.master_weights}"] if args.master_weights != "fp32" else []),
+            *([f"distributed.communication_data_type={args.communication_data_type}"]
+              if args.communication_data_type != "auto" else []), *args.set]
 
 
 def _finetune(args):
@@ -164,7 +169,8 @@ def _run(args):
         inter = comms.network_bw(args.inter_node_gbps) / args.gpus if args.inter_node_gbps else args.inter_bw * 1e9
         hw = Hardware(intra_bw=args.intra_bw * 1e9, inter_bw=inter, overlap=args.overlap)
         rows = plan(spec, budget, args.global_batch, args.precision, loss=args.loss,
-                    negatives=args.negatives, accumulation=args.accumulation, hw=hw, master=args.master_weights)
+                    negatives=args.negatives, accumulation=args.accumulation, hw=hw, master=args.master_weights,
+                    comm=args.communication_data_type)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     best = recommend(rows)

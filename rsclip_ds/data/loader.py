@@ -228,8 +228,9 @@ class TrainLoader:
     """Iterable of micro-batches for one rank, with a resumable position and bad-data counts."""
 
     def __init__(self, schedule: EpochSchedule, rank: int, cfg: DataConfig, prep: SampleDecoder, collate: Collate,
-                 state: dict | None = None):
+                 state: dict | None = None, pin_memory: bool = False):
         self.schedule, self.rank, self.cfg, self.prep, self.collate = schedule, rank, cfg, prep, collate
+        self.pin_memory = pin_memory
         self.streams = schedule.workers_of(rank)
         self.num_workers = self.streams if schedule.num_workers > 0 else 0   # DataLoader processes
         self.batches = 0                                   # handed to the trainer
@@ -332,7 +333,7 @@ class TrainLoader:
         # batch_size=None: batching happens in the stream (one tokenizer call per batch); the
         # DataLoader takes batch i from worker i % workers, which the epoch schedule relies on.
         loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                            persistent_workers=False, pin_memory=torch.cuda.is_available(),
+                            persistent_workers=False, pin_memory=self.pin_memory,
                             prefetch_factor=PREFETCH_FACTOR if self.num_workers else None,
                             worker_init_fn=_ignore_sigterm if self.num_workers else None)
         for batch in loader:
@@ -391,11 +392,14 @@ def _is_rank_of_group(rank: int, world_size: int) -> bool:
 def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_length: int,
                        micro_batch_size: int, rank: int, world_size: int, seed: int,
                        return_keys: bool = False, state: dict | None = None, local_world_size: int = 1,
-                       cores: int | None = None, cache_dir: str | Path | None = None) -> TrainLoader:
+                       cores: int | None = None, pin_memory: bool = False,
+                       cache_dir: str | Path | None = None) -> TrainLoader:
     """Endless iterable of full micro-batches for ``rank`` (see the module docstring).
 
     ``local_world_size`` (ranks on this node) and ``cores`` (default: this process's
-    available_cores()) size data.num_workers=auto. Batches carry uint8 pixels: the model
+    available_cores()) size data.num_workers=auto. ``pin_memory``: batches in page-locked memory for
+    the copy to a GPU -- the caller's accelerator decides (torch.cuda.is_available() would pin, and
+    open a CUDA context on GPU 0, for CPU ranks on a GPU host). Batches carry uint8 pixels: the model
     normalises them with its own mean/std. ``state``: a ``loader.state_dict()`` to resume from;
     a state saved with another seed, world size, worker count, shard list or micro batch is a
     ValueError that names the difference. ``state={"remap_from": [s_0, ..., s_{W-1}]}`` (every
@@ -421,7 +425,7 @@ def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_
     prep = SampleDecoder(ImageTransform.from_config(image_size, cfg), _split_keys(cfg.image_key),
                          _split_keys(cfg.caption_key), Where.parse(cfg.where) if cfg.where else None)
     collate = Collate(tokenizer, max_text_length, micro_batch_size, return_keys)
-    return TrainLoader(schedule, rank, cfg, prep, collate, state=state)
+    return TrainLoader(schedule, rank, cfg, prep, collate, state=state, pin_memory=pin_memory)
 
 
 # --------------------------------------------------------------------------- shared memory

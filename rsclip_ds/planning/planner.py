@@ -167,7 +167,7 @@ def train_flops(spec: ModelSpec, samples: int, checkpointing: bool, cached_forwa
 
 def step_time(spec: ModelSpec, prof, precision: str, checkpointing: bool, micro: int, accum: int,
               budget: Budget, accumulation: str = "global", hw: Hardware = Hardware(), loss: str = "siglip",
-              negatives: str = "global") -> StepTime:
+              negatives: str = "global", comm: str = "auto") -> StepTime:
     """Seconds per optimizer step of `prof` (profiles.Profile), by part:
       compute  `train_flops` of micro x accum samples at hw.flops (fp32 at a quarter);
       network  comms.step_traffic (what DeepSpeed 0.19.8 sends per step, the loss's features
@@ -176,13 +176,15 @@ def step_time(spec: ModelSpec, prof, precision: str, checkpointing: bool, micro:
                min(compute, network) is hidden;
       PCIe     optimizer offload: g Ψ/G per micro-batch out, p Ψ/G per step in; parameter
                offload 2p Ψ/G more per micro-batch; CPU Adam on the node's n Ψ/G parameters."""
+    from rsclip_ds.profiles import wire_dtype   # the run's distributed.communication_data_type, resolved
+
     p, g, _ = BYTES[precision]
     psi, G, t, stage = spec.params, budget.gpus, spec.trainable, prof.stage
     flops = train_flops(spec, micro * accum, checkpointing, accumulation == "global" and accum > 1)
     compute = flops / (hw.flops / (4 if precision == "fp32" else 1))
     traffic = comms.step_traffic(
         psi, t, stage=stage, world=G, accumulation=accum, precision=precision,
-        comm_dtype=prof.strategy.get("communication_data_type"), zero=prof.strategy.get("zero_optimization", {}),
+        comm_dtype=wire_dtype(comm, prof), zero=prof.strategy.get("zero_optimization", {}),
         persistent=spec.small_params if stage == 3 else 0, accumulation_mode=accumulation,
         checkpointed=spec.layer_params if checkpointing and stage == 3 else 0,
         loss=comms.LossTraffic(loss, negatives, micro, spec.embed_dim), gpus_per_node=budget.gpus_per_node)
@@ -203,9 +205,10 @@ def step_seconds(*args, **kwargs) -> float:
 def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "bf16",
          profiles: list[str] | None = None, loss: str = "siglip", negatives: str = "global",
          accumulation: str = "global", hw: Hardware = Hardware(), grad_accum: str = "auto",
-         master: str = "fp32") -> list[Row]:
+         master: str = "fp32", comm: str = "auto") -> list[Row]:
     """One row per (profile, activation checkpointing), fastest first. ``grad_accum``: the run's
-    bf16.grad_accum_dtype (auto: the profile's measured choice); ``master``: its bf16.master_weights."""
+    bf16.grad_accum_dtype (auto: the profile's measured choice); ``master``: its bf16.master_weights;
+    ``comm``: its distributed.communication_data_type (the gradient bytes on the wire)."""
     from rsclip_ds.profiles import available_profiles, load_profile
 
     if global_batch % budget.gpus:
@@ -216,6 +219,11 @@ def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "b
     for name in names:
         prof = hybrid_profile(name, budget.gpus_per_node) if name in HYBRID else load_profile(name)
         candidate, note = candidacy(name, budget)
+        if comm not in ("auto", "fp16") and prof.strategy.get("zero_optimization", {}).get("zero_quantized_gradients"):
+            # profiles.wire_dtype refuses it: the quantizer kernel reads fp16 only; modelled in fp16
+            candidate, note, row_comm = False, f"qgZ reduces in fp16 only, not {comm}", "fp16"
+        else:
+            row_comm = comm
         zero = prof.strategy.get("zero_optimization", {})
         cpu_node = model_state_bytes(spec.params, prof.stage, prof.offload_optimizer, prof.offload_param, precision,
                                      budget.gpus, budget.gpus_per_node, trainable=spec.trainable, master=master,
@@ -235,7 +243,7 @@ def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "b
             micro, accum = accumulation_for(per_rank, lo) if lo else (0, 0)
             used = at(max(micro, 1))
             st = step_time(spec, prof, precision, ac, max(micro, 1), max(accum, 1), budget, accumulation, hw,
-                           loss, negatives)
+                           loss, negatives, row_comm)
             rows.append(Row(name, ac, bool(lo) and cpu_ok, lo, micro, accum, round(used.reserved / GiB, 2),
                             round(used.allocated / GiB, 2), used.phase, round(cpu_node / GiB, 2), st.total,
                             compute_s=st.compute, comm_intra_s=st.comm.intra_s, comm_inter_s=st.comm.inter_s,

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from datetime import timedelta
 
+from rsclip_ds.config import ConfigError
+
 log = logging.getLogger("rsclip_ds")
 
 
@@ -39,9 +41,83 @@ def launcher_local_world_size() -> int | None:
     return int(value) if value else None
 
 
+# Variables by which a process started by srun / mpirun / a PMI launcher knows it is one of many
+# tasks (name of the task count, its launcher), checked when no RANK says where it stands.
+# SLURM_STEP_NUM_TASKS, not SLURM_NTASKS: srun sets it for the tasks of a step, while SLURM_NTASKS is
+# also in an sbatch script's own shell, where one plain process (an eval, a plan) is fine.
+TASK_COUNT_VARS = (("SLURM_STEP_NUM_TASKS", "srun"), ("OMPI_COMM_WORLD_SIZE", "mpirun (Open MPI)"),
+                   ("PMI_SIZE", "mpirun / PMI"), ("PMIX_SIZE", "a PMIx launcher"))
+
+
+def check_launch_env(env=None) -> None:
+    """Refuse a process that is one of several tasks while no launcher set RANK: each would invent a
+    world of one (init_distributed) and train alone on device 0 -- N independent runs, no error.
+    That is `srun python -m rsclip_ds train` under --ntasks N. Raises LaunchError naming the fix."""
+    env = os.environ if env is None else env
+    if "RANK" in env:
+        return
+    for var, launcher in TASK_COUNT_VARS:
+        value = env.get(var, "")
+        if value.isdigit() and int(value) > 1:
+            raise LaunchError(
+                f"this process is one of {value} tasks started by {launcher} ({var}={value}), but no launcher "
+                f"set RANK / LOCAL_RANK / WORLD_SIZE: each task would train alone on device 0. Start one launcher "
+                f"per node, which starts the node's ranks: srun --ntasks-per-node=1 launch/cluster.sh ... (see "
+                f"launch/slurm.sbatch), or `deepspeed --num_gpus N -m rsclip_ds train ...` / `torchrun "
+                f"--nproc_per_node N -m rsclip_ds train ...` on each node")
+
+
+class LaunchError(ConfigError):
+    """The processes were started in a way that cannot form the intended process group; the message
+    names the launch that works (the CLI's exit code 2, like any ConfigError)."""
+
+
+def device_index(local_rank: int, device_count: int, visible: str | None) -> int:
+    """The GPU of this rank: LOCAL_RANK among the GPUs the process sees. A per-rank binding
+    (srun --gpus-per-task=1, --gpu-bind=single:1; a CUDA_VISIBLE_DEVICES set per task) shows each
+    rank one GPU, so LOCAL_RANK 3 has no device 3: refused, naming the fix, rather than guessed."""
+    if 0 <= local_rank < device_count:
+        return local_rank
+    raise LaunchError(
+        f"LOCAL_RANK={local_rank} but this rank sees {device_count} GPU(s) (CUDA_VISIBLE_DEVICES="
+        f"{visible if visible is not None else '(unset)'}): a per-rank GPU binding hides the node's other GPUs. "
+        f"Let every rank of a node see all of its GPUs (srun --gpu-bind=none, no --gpus-per-task; no "
+        f"CUDA_VISIBLE_DEVICES per task) and let the launcher number them by LOCAL_RANK")
+
+
 def world_size_from_env() -> int:
     """The world size the launcher announced (1 without a launcher); known before init."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def auto_threads_per_rank(cores: int, local_ranks: int, workers: int) -> int:
+    """distributed.threads_per_rank=auto: the node's cores shared by its ranks, less the rank's loader
+    workers (each a process of one torch thread, busy while the rank computes), at least 1.
+    8 ranks on 96 cores with 3 workers each: 12 - 3 = 9 threads; num_workers=auto (11 each): 1."""
+    return max(1, cores // max(1, local_ranks) - workers)
+
+
+def set_threads_per_rank(setting: int | str, cores: int, local_ranks: int, workers: int,
+                         env=None) -> tuple[int, str]:
+    """Set this rank's torch / OpenMP threads (torch.set_num_threads, which DeepSpeed's CPU Adam's
+    OpenMP loop follows too, and OMP_NUM_THREADS for processes started later) -> (threads, why),
+    for the start-up line. Without it every rank's intra-op pool and CPU Adam run on every core:
+    8 ranks oversubscribe the node 8 times. An OMP_NUM_THREADS set in the environment wins over
+    'auto' (what the user asked for); an explicit number wins over both."""
+    import torch
+
+    env = os.environ if env is None else env
+    given = env.get("OMP_NUM_THREADS", "")
+    if setting != "auto":
+        threads, why = int(setting), "distributed.threads_per_rank"
+    elif given.isdigit() and int(given) > 0:
+        threads, why = int(given), "OMP_NUM_THREADS from the environment"
+    else:
+        threads = auto_threads_per_rank(cores, local_ranks, workers)
+        why = f"{cores} core(s) / {local_ranks} rank(s) on this node, less {workers} loader worker(s)"
+    torch.set_num_threads(threads)
+    env["OMP_NUM_THREADS"] = str(threads)
+    return threads, why
 
 
 def seconds_since_process_start() -> float | None:
@@ -96,6 +172,7 @@ def init_distributed(timeout_minutes: float | None = None) -> DistInfo:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    check_launch_env()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -103,7 +180,8 @@ def init_distributed(timeout_minutes: float | None = None) -> DistInfo:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     on_gpu = accelerator_is_gpu()
     if on_gpu:
-        get_accelerator().set_device(local_rank)
+        acc = get_accelerator()
+        acc.set_device(device_index(local_rank, acc.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES")))
     minutes = timeout_minutes or float(os.environ.get("DEEPSPEED_TIMEOUT", "10"))
     deepspeed.init_distributed(timeout=timedelta(minutes=minutes))
     import torch.distributed as dist

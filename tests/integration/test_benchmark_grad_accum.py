@@ -5,7 +5,7 @@ One launch (~1 minute: 20 engine builds of the `tiny` preset) runs one optimizer
 k = 8 micro-batches of 4 samples per rank ('global' accumulation: one SigLIP loss over all 64
 samples) on every profile, with a client SGD at lr 1 so the change of the fp32 masters is the
 gradient, and compares it with the gradient of the same loss on the whole batch in fp32 (one
-process). Measured on 2 cores (docs/precision.md): the towers' relative error is 1.10e-2 with
+process). Measured on 2 cores (docs/guides/precision.md): the towers' relative error is 1.10e-2 with
 bf16 accumulation and 1.05-1.06e-2 with fp32, on every stage; the 3.2e-3 between the two is
 what the accumulation dtype makes.
 """
@@ -17,7 +17,7 @@ import pytest
 from tests.integration.benchmark_helpers import run_benchmark
 
 pytestmark = pytest.mark.slow
-# the documented 'auto' (docs/precision.md), and the engine it gives
+# the documented 'auto' (docs/guides/precision.md), and the engine it gives
 AUTO = {"zero1": "bf16", "zero2": "fp32", "zero2_offload": "bf16", "zero3": "fp32", "zero3_offload": "fp32"}
 ZERO_OPT = {1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
 BOUND = 0.015   # parity bound of the default at k = 8: relative L2 error of the towers' gradient

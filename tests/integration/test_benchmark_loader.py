@@ -1,9 +1,14 @@
-"""benchmarks/data/loader.py at a tiny size (~15 s): it runs by path, measures both worker counts
-against the bare loops in alternation, splits a sample's time by stage, and writes the JSON the
-docs quote. The rates are timing, so the assertions are floors that only a gross regression
-breaks; the cores-per-GPU arithmetic and the stage split's consistency are checked exactly."""
+"""benchmarks/data/loader.py at a tiny size (~15 s): it runs as a module, measures both worker
+counts against the bare loops in alternation, splits a sample's time by stage, and writes the
+JSON the docs quote. The rates and how they compare are this machine's (benchmarks/results/
+loader.json has them), so they are not asserted; asserted are what each loop ran (the loader
+the fast transform, loader_pil PIL's), the form of the measurements, and the arithmetic the
+report derives from them (ratios, cores per GPU, the hand-over's share), exactly."""
 
 from __future__ import annotations
+
+import math
+import statistics
 
 import pytest
 
@@ -44,20 +49,33 @@ def test_cores_per_gpu_follow_from_the_measured_rate(report):
 
 
 def test_the_stage_split_adds_up(report):
-    """The in-process stream runs the measured stages; it costs at least its decode and at most
-    the loader with workers' CPU per sample plus noise."""
+    """Every stage measured; the hand-over is what the loader's CPU per sample (1 worker) leaves
+    beyond the in-process stream; batches hand over uint8 pixels (B, 3, S, S)."""
     split = report["breakdown"]["224"]
     us = split["us_per_sample"]
-    assert us["decode + resize (SampleDecoder)"] > us["tar read + grouping"] > 0
-    assert us["stream in-process (all of the above, no workers)"] > us["decode + resize (SampleDecoder)"]
-    assert split["pixel_bytes_per_sample"] in (224 * 224 * 3, 224 * 224 * 3 * 4)   # uint8 or float32
+    assert all(math.isfinite(v) and v > 0 for v in us.values()), us
+    row = next(r for r in report["results"] if r["workers"] == 1)
+    loader_us = 1e6 / statistics.median(row["loader"]["per_cpu_second"])
+    assert split["loader_us_per_sample_1_worker"] == pytest.approx(loader_us, rel=1e-12)
+    assert split["hand-over + main process (loader minus stream)"] == pytest.approx(
+        loader_us - us["stream in-process (all of the above, no workers)"], rel=1e-9, abs=1e-6)
+    assert (split["pixel_dtype"], split["pixel_bytes_per_sample"]) == ("torch.uint8", 224 * 224 * 3)
 
 
-def test_the_loader_is_within_reach_of_a_bare_decode(report):
-    """Per CPU-second (steadier than wall time on a shared machine) the loader, which also
-    shuffles, tokenises and hands batches across processes, made ~0.7 of the bare PIL loop at
-    this size when written, with the fast decoder; under 0.2 it would have lost most of its
-    speed (e.g. decoding at full size and converting on the CPU twice)."""
+def test_the_loader_runs_the_fast_transform_and_loader_pil_does_not(report):
+    """The speed difference the JSON records comes from here: the loader's default config decodes
+    at the draft scale and resizes with torch, data.jpeg_draft=false (loader_pil) is PIL's path."""
     for row in report["results"]:
-        assert row["ratios"]["loader/bare_pil"]["median"] > 0.2, row["ratios"]
-        assert row["ratios"]["bare_fast/bare_pil"]["median"] > 1.5, row["ratios"]   # the fast transform
+        assert row["loader"]["fast_transform"] is True and row["loader_pil"]["fast_transform"] is False, row
+
+
+def test_ratios_are_the_quotients_of_the_rates_of_each_repeat(report):
+    for row in report["results"]:
+        for name, ratio in row["ratios"].items():
+            pair, wall = name.removesuffix(" (wall)"), name.endswith(" (wall)")
+            num, den = pair.split("/")
+            unit = "per_worker_wall" if wall else "per_cpu_second"
+            assert ratio["per_repeat"] == pytest.approx(
+                [a / b for a, b in zip(row[num][unit], row[den][unit])], rel=1e-12), name
+            assert ratio["min"] <= ratio["median"] <= ratio["max"]
+        assert row["pass"] == (row["ratios"]["loader/bare_pil"]["median"] >= report["target_ratio"])

@@ -2,9 +2,18 @@
 parameters), 2 CPU ranks, fp32, micro 2, accumulation 4, for ZeRO-1 (which holds the full
 gradients between micro-steps when it accumulates) and ZeRO-3 (which keeps its prefetched
 parameters gathered from forward to backward): the measured peak of the second optimizer step
-(the resident set's high-water mark, benchmarks/memory/peak.py) within 15% of `memory.peak`,
-evaluated here from the test's own batch bytes. ~2-3 minutes on 2 idle cores (four engine builds
-of the 203M model), ~4 GiB per rank."""
+(the resident set's high-water mark, benchmarks/memory/peak.py) against `memory.peak`, evaluated
+here from the test's own batch bytes. ~2-3 minutes on 2 idle cores (four engine builds of the
+203M model), ~4 GiB per rank.
+
+The two sides of the comparison differ in what they depend on. Below: the resident set holds at
+least the live tensors, and the model counts those (the tensor bytes of the tiny preset match it
+within 10-15%, tests/integration/test_benchmark_memory.py): a peak below 85% of the prediction
+means the model over-counts, on any machine. Above: what the resident set holds beyond the tensors (malloc's
+arenas and fragmentation, transparent huge pages, BLAS and gloo buffers) is the machine's: 11-12%
+on the machine of benchmarks/results/memory_peak_base.json, against the benchmark's own 15%
+target. Allowed here is 30%, which a prediction that left out a whole term still exceeds
+(ZeRO-3's gathered weights are 23% of its peak: 1.11 / 0.77 = 1.44)."""
 
 from __future__ import annotations
 
@@ -16,6 +25,7 @@ from tests.integration.benchmark_helpers import run_benchmark
 
 pytestmark = pytest.mark.slow
 W, MICRO, K, PRESET = 2, 2, 4, "git-rsclip-base"
+BELOW, ABOVE = 0.85, 1.30   # measured / predicted (see the module docstring)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +37,7 @@ def report(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("profile", ["zero1", "zero3"])
-def test_peak_within_15_percent_of_the_model(report, profile):
+def test_peak_holds_the_models_bytes_and_not_much_more(report, profile):
     row = next(r for r in report["profiles"] if r["profile"] == profile)
     (measured,) = row["peaks"]
     assert measured["accumulation"] == K
@@ -39,7 +49,7 @@ def test_peak_within_15_percent_of_the_model(report, profile):
     predicted = memory.peak(spec, prof, "fp32", W, W, micro=MICRO, accumulation_steps=K,
                             checkpointing=prof.activation_checkpointing, accumulation="plain", device="cpu",
                             input_bytes=per_sample)
-    assert measured["measured"] == pytest.approx(predicted.host, rel=0.15), measured["terms"]
+    assert BELOW * predicted.host <= measured["measured"] <= ABOVE * predicted.host, (measured, predicted)
     if profile == "zero1":   # accumulating, it holds all of the gradients, not its partition
         assert predicted.gradients == 4 * (spec.params - -(-spec.params // W))
     else:                    # prefetching keeps all of the weights gathered

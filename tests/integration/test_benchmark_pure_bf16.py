@@ -1,7 +1,7 @@
 """benchmarks/precision/pure_bf16.py --tiny on 2 CPU ranks (~30 s: three Trainer runs of 6 steps of the tiny
 preset, each evaluated at step 0 and 6): the report has every mode with finite numbers, each mode
 ran the precision and master dtype it names, and only bf16 masters leave masters unmoved.
-The full run's numbers are in docs/precision.md."""
+The full run's numbers are in docs/guides/precision.md."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ a checkpoint every 4 steps (~45 s: two launches).
 The first run trains 8 steps; its checkpoints show what the optimizer held (each rank's master
 partition and AdamW's m and v, all bf16: no fp32 copy anywhere), the loss falls, and the weights
 move, except those an update below half a bf16 step never moves (the LayerNorm gains at 1.0, the
-logit scale at log 10 and bias at -10, at lr <= 1e-3: docs/precision.md). The second run resumes
+logit scale at log 10 and bias at -10, at lr <= 1e-3: docs/guides/precision.md). The second run resumes
 from step 4 and must repeat steps 5-8 exactly, losses and weights."""
 
 from __future__ import annotations

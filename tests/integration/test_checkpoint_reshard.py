@@ -105,7 +105,7 @@ def test_resume_on_another_number_of_ranks(launch_data, first_run, tmp_path, sta
     assert done["from_world_size"] == 2 and done["step"] == SAVED_AT
     if converted_here is not None:
         assert "reused" in line.group(5) and done["seconds"] == pytest.approx(converted_here)
-    print(f"ZeRO-{stage} 2 -> {new_world} ranks: {line.group(0)}")   # the seconds: docs/checkpoints.md
+    print(f"ZeRO-{stage} 2 -> {new_world} ranks: {line.group(0)}")   # the seconds: docs/guides/checkpoints.md
 
     saved = torch.load(first / f"state_at_{SAVED_AT}.pt", weights_only=False)
     loaded = torch.load(out / "state_resumed.pt", weights_only=False)

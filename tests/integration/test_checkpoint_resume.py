@@ -87,7 +87,7 @@ def test_sigkilled_rank_brings_the_job_down_and_resume_loses_only_steps_since_th
     assert code != 0, text[-4000:]
     # on the test's monotonic clock: the rank logs this line just before it SIGKILLs itself
     down = job.exited_at - job.time_of(r"rank1\] fault injection: rank 1 sends itself SIGKILL at step 7")
-    print(f"job down {down:.1f} s after the SIGKILL")   # measured: see docs/checkpoints.md
+    print(f"job down {down:.1f} s after the SIGKILL")   # measured: see docs/guides/checkpoints.md
     assert down < 30, f"the job took {down:.0f} s to go down after a rank died"
     assert read_pointer(out / "checkpoints") == "step00000004"
     # rank 0's metrics.jsonl kept every log step before the kill (a line every 2 steps), with the

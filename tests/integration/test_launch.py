@@ -168,10 +168,14 @@ def test_metrics_monitors_and_a_slow_loader_on_one_rank(launch_data, tmp_path):
     """Rank 1's loader hands each batch over 0.5 s late (faults.inject_data_delay_s). metrics.jsonl
     holds a line per log step with the summary's losses; TensorBoard and the CSV monitor hold
     Train/loss at the same optimizer steps with the same values (DeepSpeed's own Train/Samples/lr
-    at step x global batch samples); rank 1's data-wait fraction is above rank 0's in every window,
-    the warning names rank 1 as often as the rule says from those windows, and the summary names it
-    as the max-data-wait rank. Step times agree across ranks: every step ends in a collective both
-    ranks wait at."""
+    at step x global batch samples). The load, in what holds on any machine: rank 1 waits at least
+    the 0.5 s for each step's batch (time.sleep's guarantee), in every window and over the run;
+    rank 0 does not inherit that wait (it idles at the step's collective instead, while its own
+    loader has the half second to spare); both ranks' step times agree (every step ends in a
+    collective both wait at); the warnings name each rank exactly as often as the rule
+    gives from the logged windows, and the summary names the rank with the largest fraction. How
+    large the fractions are depends on the machine's load (rank 1's were 0.55-0.84 per window on
+    busy cores), so they are printed, not asserted."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from rsclip_ds.reporting.load import data_wait_outliers
@@ -200,18 +204,23 @@ def test_metrics_monitors_and_a_slow_loader_on_one_rank(launch_data, tmp_path):
     assert [e.value for e in ds_lr[:-1]] == pytest.approx(s["lrs"][1:], rel=1e-6)
     rows = (out / "monitor" / "csv" / "Train_loss.csv").read_text().split()
     assert rows[0] == "step,loss" and [tuple(map(float, r.split(","))) for r in rows[1:]] == want
-    # the slow rank
+    # the slow rank: one batch per optimizer step (micro 16 x 2 ranks = the global 32)
+    delay = 0.5
     waits = [r["ranks"]["data_wait"] for r in lines]
     print("data wait per window (rank 0, rank 1):", waits, "step s:", [r["ranks"]["step_s"] for r in lines])
-    assert all(w[1] > w[0] for w in waits), waits
-    # a warning each time rank 1 becomes an outlier by the default rule (> 0.2 and > 3x the other)
-    flagged = [1 in data_wait_outliers(w, 0.2, 3.0) for w in waits]
-    entries = sum(now and not before for before, now in zip([False] + flagged, flagged))
-    assert entries >= 1 and text.count("rank 1 waits for data") == entries, (waits, text[-4000:])
-    assert "rank 0 waits for data" not in text
     load = s["load"]
-    # measured per window: 0.81-0.90 here; 0.24-0.52 (with a 0.3 s delay) while other runs loaded the 2 cores
-    assert load["max_data_wait_rank"] == 1 and load["data_wait"][1] > max(0.2, 5 * load["data_wait"][0]), load
-    assert abs(load["step_s"][1] - load["step_s"][0]) < 0.15 * max(load["step_s"]), load
+    for fractions, step_s in [(r["ranks"]["data_wait"], r["ranks"]["step_s"]) for r in lines] + \
+            [(load["data_wait"], load["step_s"])]:
+        wait_s = [f * t for f, t in zip(fractions, step_s)]   # data-wait seconds per step
+        assert wait_s[1] >= delay * (1 - 1e-9) and wait_s[0] < delay, (fractions, step_s)
+    # a warning each time a rank becomes an outlier by the default rule (> 0.2 and > 3x the other)
+    for rank in (0, 1):
+        flagged = [rank in data_wait_outliers(w, 0.2, 3.0) for w in waits]
+        entries = sum(now and not before for before, now in zip([False] + flagged, flagged))
+        assert text.count(f"rank {rank} waits for data") == entries, (rank, waits, text[-4000:])
+    assert load["max_data_wait_rank"] == max((0, 1), key=load["data_wait"].__getitem__) == 1, load
     assert {load["slowest_rank"], load["fastest_rank"]} == {0, 1}
+    # every step ends in a collective both ranks wait at: their run totals differ by the windows'
+    # edges only (~1% measured), against 15% of the 7 steps' time allowed
+    assert abs(load["step_s"][1] - load["step_s"][0]) < 0.15 * max(load["step_s"]), load
     assert "data wait per rank" in text and "max rank 1" in text

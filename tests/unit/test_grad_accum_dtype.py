@@ -11,7 +11,7 @@ import pytest
 from rsclip_ds.config import ConfigError, load_config
 from rsclip_ds.profiles import build_ds_config, load_profile
 
-# 'auto' by profile, as docs/precision.md states it: fp32 where it costs at most 2 bytes per
+# 'auto' by profile, as docs/guides/precision.md states it: fp32 where it costs at most 2 bytes per
 # trainable parameter / G of GPU memory (ZeRO-2, ZeRO-3, ZeRO-3 with offload), bf16 at ZeRO-1
 # (BF16_Optimizer: a whole fp32 gradient copy) and ZeRO-2 with offload (a new GPU buffer)
 AUTO = {"zero1": "bf16", "zero2": "fp32", "zero2_offload": "bf16", "zero3": "fp32", "zero3_offload": "fp32"}

@@ -1,6 +1,8 @@
-"""docs/results.md is the render of benchmarks/results/*.json (benchmarks/render_results.py): the
-committed page equals a fresh render, its numbers move with the JSON, a results file without a
-section stops the render, and the commands it shows name flags their scripts define."""
+"""docs/results/ is the render of benchmarks/results/*.json (benchmarks/render_results.py): each
+committed page equals a fresh render and stays under the size limit, the anchors other docs link to
+sit on their pages, its numbers move with the JSON, a results file without a section or a page over
+the limit stops the render, --check finds a stale, missing or extra page, and the commands the
+pages show name flags their scripts define."""
 
 from __future__ import annotations
 
@@ -15,9 +17,15 @@ import pytest
 from benchmarks import render_results as rr
 
 ROOT = Path(__file__).resolve().parents[2]
-ANCHORS = ["throughput", "throughput-openclip", "gpu", "memory", "memory-finetune", "memory-peak", "build-rss",
-           "checkpoint-bytes", "step-faults", "decode", "loader", "comms", "comms-hpz", "scaling", "heartbeat",
-           "contrastive", "grad-accum", "pure-bf16"]    # other docs link to these: keep them
+ANCHORS = {      # other docs link to these anchors on these pages (`results/memory.md#memory-peak`): keep them
+    "throughput.md": ["throughput", "throughput-openclip", "gpu"],
+    "memory.md": ["memory", "memory-finetune", "memory-peak", "build-rss", "checkpoint-bytes", "step-faults"],
+    "data.md": ["decode", "loader"],
+    "comms.md": ["comms", "comms-hpz", "scaling", "heartbeat"],
+    "training.md": ["contrastive", "grad-accum", "pure-bf16"],
+}
+ANCHOR = re.compile(r'<a id="([a-z0-9-]+)"></a>')
+LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 @pytest.fixture()
@@ -30,6 +38,10 @@ def edit(path: Path, change) -> None:
     report = json.loads(path.read_text())
     change(report)
     path.write_text(json.dumps(report))
+
+
+def page_of(anchor: str) -> str:
+    return next(name for name, anchors in ANCHORS.items() if anchor in anchors)
 
 
 def section(page: str, anchor: str) -> str:
@@ -45,43 +57,81 @@ def row(page: str, anchor: str, first_cells: str) -> str:
     return lines[0]
 
 
-def test_the_committed_page_is_the_render_of_the_committed_json():
-    page = rr.render()
-    assert rr.PAGE.read_text() == page, ("docs/results.md differs from benchmarks/results/*.json: run "
-                                         "`python -m benchmarks.render_results` and commit the page")
-    assert len(page.encode()) <= rr.PAGE_LIMIT, f"docs/results.md is {len(page.encode()):,} bytes"
-    assert re.findall(r'<a id="([a-z0-9-]+)"></a>', page) == ANCHORS
+def test_the_committed_pages_are_the_render_of_the_committed_json():
+    pages = rr.render()
+    assert list(pages) == [rr.INDEX, *ANCHORS]
+    assert sorted(p.name for p in rr.PAGES_DIR.iterdir()) == sorted(pages), "docs/results/ has a page too many or few"
+    for name, text in pages.items():
+        assert (rr.PAGES_DIR / name).read_text() == text, (
+            f"docs/results/{name} differs from benchmarks/results/*.json: run `python -m benchmarks.render_results` "
+            "and commit the pages")
+        assert len(text.encode()) <= rr.PAGE_LIMIT, f"docs/results/{name} is {len(text.encode()):,} bytes"
+        assert ANCHOR.findall(text) == ANCHORS.get(name, []), name
+    everything = "\n".join(pages.values())
     for json_file in sorted(rr.RESULTS.rglob("*.json")):      # every file shows: by name, or by its figure
         name = json_file.relative_to(rr.RESULTS).as_posix()
-        assert name in page or name.replace(".json", ".png") in page, name
-    assert rr.render() == page                                 # byte-stable
+        assert name in everything or name.replace(".json", ".png") in everything, name
+    assert rr.render() == pages                                # byte-stable
+
+
+def test_the_index_links_every_page_and_then_its_sections_in_order():
+    index = rr.render()[rr.INDEX]
+    ours = [target for target in LINK.findall(index) if not target.startswith("../")]
+    assert ours == [link for name, anchors in ANCHORS.items() for link in [name, *(f"{name}#{a}" for a in anchors)]]
+    gpu = next(line for line in index.splitlines() if "(throughput.md#gpu)" in line)
+    assert gpu.endswith("(not measured yet)")                  # no gpu_h200*.json committed yet
+    assert "python -m benchmarks.render_results --check" in index
+
+
+def test_every_relative_link_on_the_pages_resolves():
+    pages = rr.render()
+    for name, text in pages.items():
+        for target in LINK.findall(text):
+            path, _, anchor = target.partition("#")
+            file = (rr.PAGES_DIR / (path or name)).resolve()
+            assert file.exists(), f"docs/results/{name}: {target} does not exist"
+            if anchor:
+                body = pages[file.name] if file.parent == rr.PAGES_DIR else file.read_text()
+                assert f'<a id="{anchor}"></a>' in body, f"docs/results/{name}: no anchor {target}"
 
 
 @pytest.mark.parametrize("name, change, anchor, first_cells, cell", [
     ("throughput.json", lambda r: r["summary"]["loops"]["ours"].update(median_samples_per_s=4321.25),
      "throughput", "ours", "| 4,321 (348.0..373.2) |"),
+    ("throughput.run2.json", lambda r: r["summary"]["ratios"]["ours/bare"].update(median=0.5, cpu_median=0.25),
+     "throughput", "ours/bare", "| 0.50 (0.61..1.04) / 0.25 |"),
     ("memory.json", lambda r: r["profiles"][3]["gpu"].update(measured=7 * 2**20, ratio=2.875),
      "memory", "zero3", "| 2.434 / 7.000 (2.88) |"),
+    ("memory.json", lambda r: r["profiles"][3].update(peak_bytes=777 * 2**20),
+     "memory", "zero3", "| 777.0 |"),
     ("comms_w3.json", lambda r: r["rows"][0]["engine"].update(logged=99.5 * 2**20, ratio=4.0),
      "comms", "zero1 | 1 | plain", "| 24.14 / 99.50 (4.0000) |"),
+    ("comms_w3.json", lambda r: r["rows"][0]["c10d"].update(ratio=1.2345),
+     "comms", "zero1 | 1 | plain", "| 1.2345 |"),
     ("memory_peak_base.json", lambda r: r["profiles"][0]["peaks"][1].update(measured=5 * 2**30, ratio=1.5),
      "memory-peak", "zero1 | 4", "| 3.406 | 5.000 | 1.500 |"),
-], ids=["throughput", "memory", "comms", "memory-peak"])
-def test_a_number_on_the_page_comes_from_its_json(results, tmp_path, name, change, anchor, first_cells, cell):
-    assert cell not in row(rr.render(results), anchor, first_cells)
+    ("scaling.json", lambda r: r["a100"][1]["four"].update(step_s=0.5),            # nvlink3 at overlap 1
+     "scaling", "git-rsclip-base | 32", "| zero1, 0.500 (0.004) |"),
+    ("contrastive.json", lambda r: r["accumulation"][1].update(step_seconds=9.875),  # global, k = 1
+     "contrastive", "1", "| 0.291 / 9.875 / 0.246 |"),
+], ids=["throughput", "throughput-run2", "memory", "memory-peak-rss", "comms", "comms-c10d", "memory-peak",
+        "a100-overlap-1", "contrastive-step-s"])
+def test_a_number_on_a_page_comes_from_its_json(results, tmp_path, name, change, anchor, first_cells, cell):
+    page = page_of(anchor)
+    assert cell not in row(rr.render(results)[page], anchor, first_cells)
     edit(results / name, change)
-    out = tmp_path / "results.md"
+    out = tmp_path / "pages"
     assert rr.main(["--results", str(results), "--out", str(out)]) == 0
-    assert cell in row(out.read_text(), anchor, first_cells)
+    assert cell in row((out / page).read_text(), anchor, first_cells)
 
 
-def test_a_results_file_without_a_section_stops_the_render(results, capsys):
+def test_a_results_file_without_a_section_stops_the_render(results, tmp_path, capsys):
     (results / "new_benchmark.json").write_text(json.dumps({"environment": {}, "rows": [1, 2]}))
-    with pytest.raises(rr.ResultsError, match="new_benchmark.json: no section of docs/results.md"):
+    with pytest.raises(rr.ResultsError, match="new_benchmark.json: no section of docs/results/"):
         rr.render(results)
-    assert rr.main(["--results", str(results), "--out", str(results / "page.md")]) == 2
+    assert rr.main(["--results", str(results), "--out", str(tmp_path / "pages")]) == 2
     assert "new_benchmark.json" in capsys.readouterr().err
-    assert not (results / "page.md").exists()
+    assert not (tmp_path / "pages").exists()
 
 
 def test_a_file_its_section_cannot_read_names_the_section_and_the_file(results):
@@ -90,15 +140,41 @@ def test_a_file_its_section_cannot_read_names_the_section_and_the_file(results):
         rr.render(results)
 
 
+def test_a_page_over_the_limit_stops_the_render_naming_the_page(results, tmp_path, capsys):
+    edit(results / "heartbeat.json", lambda r: r.update(runs=r["runs"] * 60))     # 360 rows, ~37 KB
+    with pytest.raises(rr.ResultsError, match=r"^comms.md would be [\d,]+ bytes, over the 30,000"):
+        rr.render(results)
+    assert rr.main(["--results", str(results), "--out", str(tmp_path / "pages")]) == 2
+    assert "comms.md would be" in capsys.readouterr().err
+    assert not (tmp_path / "pages").exists()
+
+
 def test_check_reports_a_stale_page_with_the_command_that_fixes_it(results, tmp_path, capsys):
-    page = tmp_path / "results.md"
-    page.write_text(rr.render(results))
-    assert rr.main(["--check", "--results", str(results), "--out", str(page)]) == 0
+    out = tmp_path / "pages"
+    assert rr.main(["--results", str(results), "--out", str(out)]) == 0
+    assert rr.main(["--check", "--results", str(results), "--out", str(out)]) == 0
     edit(results / "heartbeat.json", lambda r: r["runs"][0].update(requests_per_s=123456.0))
-    assert rr.main(["--check", "--results", str(results), "--out", str(page)]) == 1
+    capsys.readouterr()
+    assert rr.main(["--check", "--results", str(results), "--out", str(out)]) == 1
     err = capsys.readouterr().err
-    assert "is stale: 2 lines differ" in err and "python -m benchmarks.render_results" in err
-    assert "123,456" in err
+    assert f"{out / 'comms.md'} is stale: 2 lines differ" in err and "python -m benchmarks.render_results" in err
+    assert "123,456" in err and "data.md" not in err
+
+
+def test_check_reports_a_missing_and_an_extra_page(results, tmp_path, capsys):
+    out = tmp_path / "pages"
+    assert rr.main(["--results", str(results), "--out", str(out)]) == 0
+    (out / "data.md").unlink()
+    (out / "results.md").write_text("# the one page of an earlier layout\n")
+    capsys.readouterr()
+    assert rr.main(["--check", "--results", str(results), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"{out / 'data.md'} is missing; run `python -m benchmarks.render_results`.",
+                   f"{out / 'results.md'} is not a page of the render (PAGES in benchmarks/render_results.py); "
+                   "delete it."]
+    with pytest.raises(SystemExit):               # the old one-file form of --out is refused, not overwritten
+        rr.main(["--results", str(results), "--out", str(out / "results.md")])
+    assert (out / "results.md").read_text() == "# the one page of an earlier layout\n"
 
 
 def test_a_gpu_report_fills_the_gpu_section(results):
@@ -111,11 +187,13 @@ def test_a_gpu_report_fills_the_gpu_section(results):
     (results / "gpu_h200.json").write_text(json.dumps({
         "config": {"precision": "bf16"}, "environment": {"cpu_count": 16, "torch": "2.13.0"},
         "cases": [case, failed], "loader_vs_tensor": [], "hybrid_vs_zero3": []}))
-    page = rr.render(results)
+    pages = rr.render(results)
+    page = pages["throughput.md"]
     gpu = section(page, "gpu")
     assert "Not measured yet" not in gpu and "`gpu_h200.json` (NVIDIA H200, bf16, one rank)" in gpu
     assert "| 1,987 | 129 | 276 | 27.9% | 27.9% | 61.0 |" in row(page, "gpu", case["case"])
     assert row(page, "gpu", failed["case"]).endswith("| timed out \\| (raise --case-timeout) |")   # its pipe escaped
+    assert not next(line for line in pages[rr.INDEX].splitlines() if "#gpu)" in line).endswith("(not measured yet)")
 
 
 def _flag_sources(module: str) -> str:

@@ -1,17 +1,20 @@
-"""The `faults` section of the run config: dead ranks, SIGTERM sync points, non-finite losses and
-the fault injections the tests use (docs/guides/checkpoints.md). Part of the one tree in config.py
-(`RunConfig.faults`); kept in its own module to hold config.py under the module size limit."""
+"""The run-config sections of the process runtime: faults (dead ranks, SIGTERM, non-finite losses)
+and distributed (threads per rank, the gradients' dtype on the wire). Part of the one config tree
+(rsclip_ds.config.RunConfig holds them); kept here because config.py is at its size limit, and
+importing nothing from the package so that config.py can import it."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Literal, Optional, Union
 
-from pydantic import Field, model_validator
-
-from rsclip_ds.config_base import Strict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-class FaultConfig(Strict):
+class _Strict(BaseModel):   # rsclip_ds.config._Strict's settings (it imports this module)
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+
+class FaultConfig(_Strict):
     peer_timeout_s: float = Field(
         60.0, gt=0, description="A rank whose heartbeat is older than this is taken as dead: the "
         "other ranks exit (code 4) instead of waiting for the collective timeout. Keep it above the "
@@ -51,3 +54,15 @@ class FaultConfig(Strict):
             raise ValueError("faults.inject_data_delay_rank is set without faults.inject_data_delay_s: "
                              "give the delay too, e.g. --set faults.inject_data_delay_s=0.2")
         return self
+
+
+class DistributedConfig(_Strict):
+    threads_per_rank: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = Field(
+        "auto", description="torch / OpenMP threads of each rank (its compute on CPU ranks, DeepSpeed's "
+        "CPU Adam under optimizer offload). auto: the node's cores shared by its ranks, less the rank's "
+        "loader workers, at least 1 (an OMP_NUM_THREADS set in the environment wins); shown at start-up.")
+    communication_data_type: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="The gradients' dtype in DeepSpeed's reduction (its communication_data_type). "
+        "auto: the training precision (DeepSpeed's default: bf16 sums are rounded to bf16 on the wire), "
+        "except fp16 under ZeRO++ qgZ, whose quantizer kernel reads only fp16 (zero3_zeropp). fp32 "
+        "doubles the gradient bytes of a bf16 run (rsclip-ds plan follows it).")

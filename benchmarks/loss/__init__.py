@@ -1,0 +1,1 @@
+"""The contrastive losses and accumulation modes: memory and time against the global batch."""
