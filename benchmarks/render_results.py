@@ -142,6 +142,8 @@ DATA = (
     Family("loader", "The loader per CPU-second", data.loader, (
         Source("loader.json", py("data.loader", f"--out {R}/loader.json")),
         Source("loader.before_uint8.json", note="the same command before the uint8 transport (the file's `note`)"))),
+    Family("ingest", "make-shards --hf-dataset against a bare pyarrow + tarfile loop", data.ingest, (
+        Source("ingest.json", py("data.ingest", f"--out {R}/ingest.json")),)),
 )
 
 COMMS = (

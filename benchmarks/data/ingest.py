@@ -231,15 +231,19 @@ def _child(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = base_parser(__doc__, tiny=True, out=Path("benchmarks/results/ingest.json"))
     parser.add_argument("--rows", type=int, default=12000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shard-size", type=int, default=1000, help="make-shards' default")
-    parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)   # one variant, in this process
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--shards-out", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.child:
         return _child(args)
     rows, repeats, shard_size, per_file = (240, 1, 40, 100) if args.tiny else (args.rows, args.repeats,

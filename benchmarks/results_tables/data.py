@@ -82,3 +82,28 @@ def loader(files: dict) -> list[str]:
     out += _rates(cur, earlier)
     out += ["Cores per GPU (the preset's samples/s / the loader's samples per CPU-second):", "", *_cores(files)]
     return out + ["Where a sample's CPU time goes (`--breakdown`), microseconds per sample:", "", *_breakdown(files)]
+
+
+def ingest(files: dict) -> list[str]:
+    """ingest.json: make-shards --hf-dataset against the bare pyarrow + tarfile loop, per CPU-second,
+    and the Git-10M projection."""
+    rep = files["ingest.json"]
+    res, p = rep["results"], rep["git10m_projection"]
+    out = [f"{rep['rows']:,} Git-10M-shaped rows (256 px JPEGs) in parquet files of {rep['rows_per_file']:,} rows, "
+           f"shards of {rep['shard_size']:,}, {rep['repeats']} repeats, each variant in a fresh process; rows per "
+           "CPU-second of the process and its workers (user + system), median (min..max); the ratio to the bare "
+           f"loop paired per repeat (target >= {rep['target_ratio']}); past start-up: (rows - {rep['small_rows']}) / "
+           f"(CPU - the {rep['small_rows']}-row run's CPU), the rate a long conversion sees; the bytes written are "
+           "identical:", ""]
+    four = (lambda x: sig(x, 4))
+    rows = [[name, spread(r["rows_per_cpu_s"], four), spread(r["ratio_to_bare"], fix) if "ratio_to_bare" in r else "1",
+             sig(statistics.median(r["startup_cpu_s"]), 2), spread(r["steady_rows_per_cpu_s"], four),
+             spread(r["steady_ratio_to_bare"], fix) if "steady_ratio_to_bare" in r else "1",
+             spread(r["rows_per_s_wall"], four), pct(statistics.median(m / c for m, c in zip(r["main_cpu_s"], r["cpu_s"])))]
+            for name, r in res.items()]
+    out += table(["variant", "rows per CPU-second", "ratio to bare", f"start-up CPU s ({rep['small_rows']} rows)",
+                  "past start-up", "ratio past start-up", "rows/s (wall)", "main process share"], rows)
+    return out + [f"Git-10M ({p['rows']:,} rows) on {p['cores']} cores: {sig(p['hours'], 2)} h, bound by the "
+                  f"{p['bound_by']} ({sig(p['cores_bound_rows_per_s'], 3)} rows/s from the cores at the 2-worker "
+                  f"rate, {sig(p['main_process_rows_per_cpu_s'], 3)} rows per CPU-second of the main process); "
+                  f"{p['note']}.", ""]
