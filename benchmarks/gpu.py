@@ -22,7 +22,7 @@ one node, so each would equal zero3 and measure nothing -- while building zero3_
 quantizer JIT-compiles a CUDA op with nvcc (minutes, or a failure without the CUDA toolkit)
 inside the case timeout. They are measured on 2+ nodes: benchmarks/comms/multigpu_hybrid.sh.
 
-Against open_clip on one GPU (docs/benchmarks.md, "Against open_clip"; VENV from
+Against open_clip on one GPU (docs/benchmarks/throughput.md, "Against open_clip"; VENV from
 benchmarks/throughput/openclip_env.sh, built on the GPU host), ~5 minutes; and its CPU smoke test (~1 minute):
 
     python -m benchmarks.gpu --open-clip VENV --model git-rsclip-base --out benchmarks/results/gpu_h200_openclip.json

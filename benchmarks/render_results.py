@@ -264,7 +264,7 @@ def render_page(page: Page, grouped: dict[str, dict[str, dict]], results: Path) 
     full once per page, so that each page reads on its own."""
     out = [f"# Benchmark results: {page.title.lower()}", "",
            f"From {page.benchmarks}. {GENERATED} How each benchmark works and what its numbers mean: "
-           "[benchmarks.md](../benchmarks.md); the other results pages: [README.md](README.md).", ""]
+           "[the benchmark pages](../benchmarks/README.md); the other results pages: [README.md](README.md).", ""]
     machines: dict[str, str] = {}     # a machine line -> the first section of this page that printed it
     for family in page.families:
         out += section(family, grouped[family.anchor], results, machines)
@@ -276,7 +276,7 @@ def render_index(grouped: dict[str, dict[str, dict]]) -> str:
     globs) behind each section."""
     out = ["# Benchmark results", "",
            f"Every measured number, one page per benchmark group as `benchmarks/` is grouped. {GENERATED} How each "
-           "benchmark works and what its numbers mean: [benchmarks.md](../benchmarks.md).", "",
+           "benchmark works and what its numbers mean: [the benchmark pages](../benchmarks/README.md).", "",
            "```bash",
            "python -m benchmarks.render_results            # after a benchmark wrote its JSON: rewrite these pages",
            "python -m benchmarks.render_results --check    # exit 1 when a page is stale, missing or extra",

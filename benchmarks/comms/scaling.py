@@ -125,7 +125,7 @@ def a100_check(args) -> list[dict]:
 
 
 def markdown(report: dict) -> str:
-    """The table for docs/benchmarks.md: minutes per epoch per profile, one row per (network, nodes);
+    """The table for docs/results/comms.md: minutes per epoch per profile, one row per (network, nodes);
     the last columns: zero3's communication share, and the best profile with perfect overlap
     (step = max(compute, comm), from the same rows)."""
     rows, profiles = report["rows"], report["config"]["profiles"]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # An isolated environment for open_clip's own trainer (open_clip_train), for the open_clip column
-# of the throughput benchmark (docs/benchmarks.md, "Against open_clip"):
+# of the throughput benchmark (docs/benchmarks/throughput.md, "Against open_clip"):
 #
 #   bash benchmarks/throughput/openclip_env.sh runs/openclip-venv        (~1 minute; 1.4 GB)
 #   OPENCLIP_SYSTEM_TORCH=1 bash benchmarks/throughput/openclip_env.sh VENV   (a GPU host: its own CUDA torch)
@@ -41,7 +41,7 @@ SYSTEM_TORCH=${OPENCLIP_SYSTEM_TORCH:-0}
 if [ "$SYSTEM_TORCH" = 1 ]; then
   # A GPU host: the torch (CUDA build) and matching torchvision of $PY's environment, seen through
   # --system-site-packages and pinned there; the venv's own webdataset 0.2.86 shadows the system's.
-  # Offline hosts: PIP_NO_INDEX=1 PIP_FIND_LINKS=<a folder of the wheels> (docs/benchmarks.md).
+  # Offline hosts: PIP_NO_INDEX=1 PIP_FIND_LINKS=<a folder of the wheels> (docs/benchmarks/throughput.md).
   "$PY" -c 'import torch, torchvision' || {
     echo "OPENCLIP_SYSTEM_TORCH=1: torch and torchvision must import in $PY's environment" >&2; exit 1; }
   "$PY" -m venv --system-site-packages "$VENV"

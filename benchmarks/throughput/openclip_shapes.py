@@ -45,7 +45,7 @@ class Shape:
 
 
 SHAPES = {
-    # the measurement of docs/benchmarks.md (20.05M parameters; 12.6M of them the token embedding)
+    # the measurement of docs/benchmarks/throughput.md (20.05M parameters; 12.6M of them the token embedding)
     "siglip-20m": Shape("siglip-20m", width=256, depth=4, heads=4, mlp=1024, patch=16, image=128, context=64,
                         vocab=49408),
     # --tiny: seconds per run

@@ -25,7 +25,7 @@ masters, 2 for bf16, lives there too), at ZeRO-3 + gΨ_t n/G (a flat gradient pa
 pΨ n/G with parameter offload.
 
 The transient terms, read from DeepSpeed 0.19.8 and measured on 2 CPU ranks with
-git-rsclip-base (benchmarks/memory/per_rank.py --peak; docs/benchmarks.md explains each term):
+git-rsclip-base (benchmarks/memory/per_rank.py --peak; docs/benchmarks/memory.md explains each term):
   buckets    ZeRO-1/2: `torch.empty(reduce_bucket_size)` in the gradient dtype, two with
              overlap_comm, allocated whole on a GPU at every step's first backward, plus the
              gradients waiting to be copied into it (one bucket's worth). ZeRO-3: one reduce
