@@ -18,7 +18,6 @@ through its verdict) within peer timeout + 2 intervals.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading

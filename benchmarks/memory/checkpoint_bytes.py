@@ -14,7 +14,6 @@ model state splits over the ranks; what grows per rank with the ranks or the ste
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys

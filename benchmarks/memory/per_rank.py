@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import statistics
 import sys
 import tempfile

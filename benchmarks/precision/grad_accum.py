@@ -29,7 +29,6 @@ the buffer that accumulates this rank's gradients (inspected after one more back
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time

@@ -33,7 +33,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from benchmarks.harness import (ROOT, base_parser, environment, finish, process_group, pyplot, rank0_print, save_figure,

@@ -16,7 +16,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem
 from rsclip_ds.planning.memory import (GiB, _probe, activation_bytes_per_sample, logits_bytes, model_state_bytes, peak, preset_spec,
                               saved_bytes, scaled_spec)
 from rsclip_ds.planning.planner import Budget, Hardware, plan, recommend, step_seconds
-from rsclip_ds.profiles import PROFILE_DIR, Profile, available_profiles, load_profile
+from rsclip_ds.profiles import PROFILE_DIR, Profile, load_profile
 from rsclip_ds.config import ConfigError
 from rsclip_ds.model import new_dual_encoder, preset_config
 from rsclip_ds.cli.plan import parse_bytes

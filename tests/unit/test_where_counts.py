@@ -16,7 +16,7 @@ from rsclip_ds.data import StreamCounter, build_epoch_schedule, build_train_load
 from rsclip_ds.data import filter_counts as fc
 from rsclip_ds.data import loader as loader_mod
 from rsclip_ds.data.loader import StreamDataset
-from rsclip_ds.data.where import Where, WhereError, json_columns
+from rsclip_ds.data.where import Where, json_columns
 from tests.corpora import jpeg
 from tests.unit.forked_ranks import run_ranks
 
