@@ -12,22 +12,18 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
-from rsclip_ds.runtime.settings import DistributedConfig, FaultConfig
+from rsclip_ds.runtime.settings import DistributedConfig, FaultConfig, Strict
 
 
 class ConfigError(ValueError):
     """A run config, profile or batch setting that cannot work; the message names the fix."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
-
-
-class ModelConfig(_Strict):
+class ModelConfig(Strict):
     preset: Literal["tiny", "git-rsclip-base", "git-rsclip-large"] = Field(
         "tiny", description="Architecture preset: 'git-rsclip-large' (SigLIP-L/16, 256 px, ~650M), "
         "'git-rsclip-base' (SigLIP-B/16, 224 px, ~200M), 'tiny' (trains in seconds on a CPU).")
@@ -59,7 +55,7 @@ class ModelConfig(_Strict):
         return self
 
 
-class LossConfig(_Strict):
+class LossConfig(Strict):
     name: Literal["siglip", "clip"] = Field(
         "siglip", description="Contrastive loss: 'siglip' (pairwise sigmoid, learnable temperature "
         "and bias) or 'clip' (softmax InfoNCE, learnable temperature).")
@@ -71,7 +67,7 @@ class LossConfig(_Strict):
                             "recomputed in backward to bound peak memory (0: no chunking).")
 
 
-class DataConfig(_Strict):
+class DataConfig(Strict):
     train_shards: Optional[str] = Field(
         None, description="Training shards: a brace pattern ('data/train-{000000..000009}.tar'), a "
         "glob, a file listing one shard per line, or several of these joined by '::'.")
@@ -155,7 +151,7 @@ class DataConfig(_Strict):
         raise ValueError(f"'auto' or a whole number >= 0 (0: no worker processes), not {value!r}")
 
 
-class BatchConfig(_Strict):
+class BatchConfig(Strict):
     micro_batch_size: int = Field(16, ge=1, description="Samples per GPU per forward/backward pass.")
     gradient_accumulation_steps: int = Field(
         1, ge=1, description="Micro-batches per optimizer step. The global batch is "
@@ -167,7 +163,7 @@ class BatchConfig(_Strict):
         "samples. Same thing when gradient_accumulation_steps is 1.")
 
 
-class OptimConfig(_Strict):
+class OptimConfig(Strict):
     lr: float = Field(5e-4, gt=0, description="Peak learning rate (before `lr_scaling`).")
     lr_scaling: Literal["none", "linear", "sqrt"] = Field(
         "none", description="Scale `lr` with the number of ranks: 'linear' (lr x world), 'sqrt' "
@@ -198,7 +194,7 @@ class OptimConfig(_Strict):
                                     "(as image_layer_decay).")
 
 
-class LoraConfig(_Strict):
+class LoraConfig(Strict):
     towers: list[Literal["image", "text"]] = Field(
         default_factory=list, description="Towers that get LoRA adapters (peft) on their attention "
         "projections (q, k, v, out); their other weights are frozen. Empty: no LoRA.")
@@ -208,7 +204,7 @@ class LoraConfig(_Strict):
     mlp: bool = Field(False, description="Also adapt the MLP projections (fc1, fc2) of the encoder blocks.")
 
 
-class FinetuneConfig(_Strict):
+class FinetuneConfig(Strict):
     lock_image: bool = Field(False, description="Freeze the image tower (open_clip's --lock-image): no "
                              "gradients, no optimizer states, weights unchanged.")
     lock_image_unlocked_layers: int = Field(
@@ -239,14 +235,14 @@ class FinetuneConfig(_Strict):
         return self
 
 
-class Fp16Config(_Strict):
+class Fp16Config(Strict):
     initial_scale_power: int = Field(16, ge=0, le=32, description="fp16 only: initial loss scale is 2**this.")
     loss_scale_window: int = Field(1000, ge=1, description="fp16 only: overflow-free steps before the scale grows.")
     hysteresis: int = Field(2, ge=1, description="fp16 only: overflows tolerated before the scale shrinks.")
     min_loss_scale: float = Field(1.0, gt=0, description="fp16 only: the scale never goes below this.")
 
 
-class Bf16Config(_Strict):
+class Bf16Config(Strict):
     master_weights: Literal["fp32", "bf16"] = Field(
         "fp32", description="bf16 only: the dtype of the optimizer's master weights and of AdamW's m and v. "
         "'fp32': DeepSpeed's mixed precision (an fp32 master copy and fp32 states, 16 bytes per trainable "
@@ -264,7 +260,7 @@ class Bf16Config(_Strict):
         "the rule and the bytes); bf16 with master_weights=bf16.")
 
 
-class LoggingConfig(_Strict):
+class LoggingConfig(Strict):
     log_every: int = Field(10, ge=1, description="Optimizer steps between log lines / progress updates. "
                            "Each log step rank 0 also appends a line to {output_dir}/metrics.jsonl and "
                            "writes the monitor events (docs/guides/monitoring.md).")
@@ -290,7 +286,7 @@ class LoggingConfig(_Strict):
         "other ranks. Warned once when a rank crosses both, again only after it has recovered.")
 
 
-class CheckpointConfig(_Strict):
+class CheckpointConfig(Strict):
     every: int = Field(0, ge=0, description="Save a checkpoint every N optimizer steps (0: only at the "
                        "end). Checkpoints go to {output_dir}/checkpoints/step{N:08d}.")
     at_end: bool = Field(True, description="Save a checkpoint after the last step.")
@@ -311,7 +307,7 @@ class CheckpointConfig(_Strict):
         "a bounded wall time. The next job continues with --resume latest.")
 
 
-class EvalConfig(_Strict):
+class EvalConfig(Strict):
     every: int = Field(0, ge=0, description="Evaluate every N optimizer steps and after the last step "
                        "(0: no evaluation during training). Results go to the log, "
                        "{output_dir}/eval/step{N:08d}.json and DeepSpeed's monitor.")
@@ -345,7 +341,7 @@ class EvalConfig(_Strict):
         return self
 
 
-class RunConfig(_Strict):
+class RunConfig(Strict):
     profile: str = Field("zero2", description="DeepSpeed strategy: a name in ds_profiles/ (zero1, zero2, "
                          "zero2_offload, zero3, zero3_offload) or a path to a profile JSON.")
     precision: Literal["fp32", "bf16", "fp16"] = Field(

@@ -10,11 +10,13 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-class _Strict(BaseModel):   # rsclip_ds.config._Strict's settings (it imports this module)
+class Strict(BaseModel):
+    """Every section of the run config: unknown keys rejected, values frozen (rsclip_ds.config uses it too)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
 
-class FaultConfig(_Strict):
+class FaultConfig(Strict):
     peer_timeout_s: float = Field(
         60.0, gt=0, description="A rank whose heartbeat is older than this is taken as dead: the "
         "other ranks exit (code 4) instead of waiting for the collective timeout. Keep it above the "
@@ -56,7 +58,7 @@ class FaultConfig(_Strict):
         return self
 
 
-class DistributedConfig(_Strict):
+class DistributedConfig(Strict):
     threads_per_rank: Union[Literal["auto"], Annotated[int, Field(ge=1)]] = Field(
         "auto", description="torch / OpenMP threads of each rank (its compute on CPU ranks, DeepSpeed's "
         "CPU Adam under optimizer offload). auto: the node's cores shared by its ranks, less the rank's "
