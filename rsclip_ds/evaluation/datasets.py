@@ -69,17 +69,31 @@ def load_class_folders(root: str | Path) -> ClassFolderSet:
     if len(folders) < 2:
         raise ConfigError(f"{root} has {len(folders)} class folder(s); zero-shot needs >= 2 "
                           f"(point it at the folder that holds one folder per class)")
-    paths, labels = [], []
-    for label, folder in enumerate(folders):
-        found = sorted(p for p in (root / folder).iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
+    images = []
+    for folder in folders:
+        found = list_images(root / folder)
         if not found:
             log.warning("class folder %s has no images (%s); it still competes as a class",
                         root / folder, ", ".join(IMAGE_EXTENSIONS))
-        paths += found
-        labels += [label] * len(found)
-    if not paths:
+        images.append(found)
+    if not any(images):
         raise ConfigError(f"no images under {root}/*/ (extensions {', '.join(IMAGE_EXTENSIONS)})")
-    return ClassFolderSet(paths, labels, [class_name_from_folder(f) for f in folders], folders)
+    return class_folder_set(folders, [class_name_from_folder(f) for f in folders], images)
+
+
+def list_images(folder: Path) -> list[Path]:
+    """The image files directly in ``folder`` (IMAGE_EXTENSIONS, any case), sorted."""
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+
+
+def class_folder_set(folders: list[str], class_names: list[str], images: list[list[Path]]) -> ClassFolderSet:
+    """A zero-shot set from explicit image lists, one list per class; label i is folders[i] / class_names[i]
+    (the catalog's sets: nested class folders, a published split applied, phrases from the set's data file)."""
+    if not len(folders) == len(class_names) == len(images):
+        raise ValueError(f"{len(folders)} folders, {len(class_names)} class names, {len(images)} image lists")
+    paths = [path for found in images for path in found]
+    labels = [label for label, found in enumerate(images) for _ in found]
+    return ClassFolderSet(paths, labels, list(class_names), list(folders))
 
 
 @dataclass
@@ -92,7 +106,7 @@ class CaptionSet:
 
 def _images_folder(json_path: Path, first: str, images_dir: Path | None) -> Path:
     candidates = [images_dir] if images_dir else [json_path.parent / "images", json_path.parent / "imgs",
-                                                  json_path.parent]
+                                                  json_path.parent / "RSICD_images", json_path.parent]
     for folder in candidates:
         if (Path(folder) / first).is_file():
             return Path(folder)
