@@ -307,6 +307,9 @@ class CheckpointConfig(Strict):
         "a bounded wall time. The next job continues with --resume latest.")
 
 
+TEMPLATE_SET_NAMES = ("ours", "git-rsclip", "remoteclip", "georsclip")   # evaluation/prompts.py
+
+
 class EvalConfig(Strict):
     every: int = Field(0, ge=0, description="Evaluate every N optimizer steps and after the last step "
                        "(0: no evaluation during training). Results go to the log, "
@@ -324,6 +327,15 @@ class EvalConfig(Strict):
     templates: Optional[Path] = Field(
         None, description="Prompt templates for zero-shot, one per line with '{}' for the class name; "
         "default: the shipped remote-sensing set (rsclip_ds/templates/remote_sensing.txt).")
+    templates_set: Optional[Literal[TEMPLATE_SET_NAMES]] = Field(
+        None, description="A shipped template set instead of a file: ours (the default), git-rsclip, remoteclip, "
+        "georsclip; each file in rsclip_ds/templates/ names its source.")
+    suite: Optional[Path] = Field(None, description="A folder of the standard remote-sensing sets as released "
+                                  "(`rsclip-ds eval --suite`), evaluated during training too (Eval/suite/<set>/...).")
+    suite_overrides: Optional[Path] = Field(None, description="With suite: a JSON of {set name: {folder name: "
+                                            "prompt phrase}} over the shipped class phrases.")
+    suite_every: int = Field(0, ge=0, description="Evaluate the suite every N optimizer steps and after the "
+                             "last (0: at eval.every's steps); a multiple of eval.every keeps training fast.")
     batch_size: int = Field(64, ge=1, description="Images (and texts) per forward pass per rank.")
     bands: Optional[str] = Field(None, description="Multispectral TIFFs: 1-based bands as R,G,B (Sentinel-2: "
                                  "'4,3,2'), scaled by band_scale; unset, a > 3-band TIFF stops the evaluation.")
@@ -335,9 +347,15 @@ class EvalConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "EvalConfig":
-        if self.every and self.zero_shot_dir is None and self.retrieval_json is None:
+        if self.every and self.zero_shot_dir is None and self.retrieval_json is None and self.suite is None:
             raise ValueError("eval.every is set but there is nothing to evaluate: set eval.zero_shot_dir "
-                             "and/or eval.retrieval_json (or eval.every=0)")
+                             "and/or eval.retrieval_json or eval.suite (or eval.every=0)")
+        if self.templates is not None and self.templates_set is not None:
+            raise ValueError("give eval.templates (a file) or eval.templates_set (a shipped set), not both")
+        if self.suite_every and self.suite is None:
+            raise ValueError("eval.suite_every is set but eval.suite is not: set eval.suite (or eval.suite_every=0)")
+        if self.suite is not None and not (self.every or self.suite_every):
+            raise ValueError("eval.suite is set but neither eval.every nor eval.suite_every: say how often")
         return self
 
 

@@ -2,6 +2,7 @@
 folder, alone or under the deepspeed launcher (items split over ranks).
 
     rsclip-ds eval --model runs/export/ --zero-shot data/AID --retrieval data/RSICD/dataset_rsicd.json
+    rsclip-ds eval --model lcybuaa/Git-RSCLIP --suite data/rs --templates-set git-rsclip
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from rsclip_ds.config import ConfigError, EvalConfig
+from rsclip_ds.config import TEMPLATE_SET_NAMES, ConfigError, EvalConfig
 from rsclip_ds.data.bad import DataError
 from rsclip_ds.data.geotiff import BandChoice, BandsError
 from rsclip_ds.evaluation import Embedder, EvalSets, evaluate, flat_metrics
@@ -69,7 +70,17 @@ def register(sub) -> None:
                    "checkpoint: the run's eval.retrieval_json)")
     p.add_argument("--retrieval-images", type=Path, help="folder of the caption JSON's images")
     p.add_argument("--split", default=None, help="caption JSON split (default: test)")
-    p.add_argument("--templates", type=Path, help="prompt templates file (default: shipped RS set)")
+    templates = p.add_mutually_exclusive_group()
+    templates.add_argument("--templates", type=Path, help="prompt templates file (default: the set 'ours')")
+    templates.add_argument("--templates-set", choices=TEMPLATE_SET_NAMES, default=None,
+                           help="a shipped template set: ours (default), git-rsclip, remoteclip, georsclip")
+    p.add_argument("--suite", type=Path, help="a folder of the standard remote-sensing sets as released "
+                   "(AID, NWPU-RESISC45, WHU-RS19, ..., RSICD, RSITMD): evaluates each one found, with the "
+                   "published numbers beside ours (JSON, markdown table, PNG)")
+    p.add_argument("--overrides", type=Path, help="with --suite: JSON of {set name: {folder name: prompt "
+                   "phrase}} over the shipped class phrases")
+    p.add_argument("--compare", help="with --suite: a second model (folder, hub id or checkpoint) "
+                   "evaluated on the same sets, its columns beside")
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default 64)")
     p.add_argument("--max-bad-fraction", type=float, default=None, help="unreadable or missing images "
                    "are skipped and counted; past this fraction of a set the evaluation stops (default 0.01)")
@@ -78,7 +89,8 @@ def register(sub) -> None:
     p.add_argument("--band-scale", default=None, help="with --bands: percentile:LO,HI (default 2,98) or range:MIN,MAX")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--out", type=Path, help="results JSON (default: {output_dir}/eval/<tag>.json for a "
-                   "checkpoint, eval/<folder name>.json for a model folder)")
+                   "checkpoint, eval/<folder name>.json for a model folder); with --suite a folder (default: "
+                   "suite-<tag> / suite-<folder name> there)")
     p.add_argument("--ds-config", type=Path, help="DeepSpeed config JSON whose tensorboard / csv_monitor "
                    "/ wandb sections receive the metrics (default for a checkpoint: the run's ds_config.json)")
     p.set_defaults(handler=run)
@@ -88,9 +100,13 @@ def _eval_config(args, base: EvalConfig) -> EvalConfig:
     """--flags over the run's eval section (a checkpoint) or the defaults (a model folder)."""
     given = {"zero_shot_dir": args.zero_shot, "retrieval_json": args.retrieval,
              "retrieval_images": args.retrieval_images, "retrieval_split": args.split,
-             "templates": args.templates, "batch_size": args.batch_size,
+             "templates": args.templates, "templates_set": args.templates_set, "batch_size": args.batch_size,
              "max_bad_fraction": args.max_bad_fraction, "bands": args.bands, "band_scale": args.band_scale}
-    return base.model_copy(update={k: v for k, v in given.items() if v is not None})
+    update = {k: v for k, v in given.items() if v is not None}
+    if args.templates is not None or args.templates_set is not None:   # the flag replaces the run's choice
+        update.setdefault("templates", None)
+        update.setdefault("templates_set", None)
+    return base.model_copy(update=update)
 
 
 def _load_for_eval(args, loss: str = "siglip"):
@@ -141,6 +157,10 @@ def run(args) -> int:
     """The `rsclip-ds eval` handler: every rank embeds its share, rank 0 reports."""
     from rsclip_ds.runtime.distributed import configure_logging, destroy_distributed, init_distributed
 
+    if args.suite is not None:
+        return run_suite(args)
+    if args.overrides is not None or args.compare is not None:
+        raise ConfigError("--overrides and --compare go with --suite ROOT")
     # everything that can fail (paths, checkpoint, data sets) before a process group exists
     bundle, step, base, default_out, ds_config = _load_for_eval(args)
     cfg = _eval_config(args, base)
@@ -182,5 +202,132 @@ def run(args) -> int:
             log.info("results written to %s", out)
         write_monitor(build_monitor(ds_config) if ds_config else None, results, step or 0)
         return 0
+    finally:
+        destroy_distributed()
+
+
+# --------------------------------------------------------------------------- --suite
+
+def _load_compare(value: str):
+    """--compare: a checkpoint when the path resolves to one, else a model folder or hub id."""
+    from argparse import Namespace
+
+    from rsclip_ds.checkpoint import resolve_checkpoint
+
+    is_checkpoint = False
+    if Path(value).exists():
+        try:
+            resolve_checkpoint(value)
+            is_checkpoint = True
+        except FileNotFoundError:
+            pass
+    args = Namespace(model=None if is_checkpoint else value, checkpoint=Path(value) if is_checkpoint else None)
+    bundle = _load_for_eval(args)[0]
+    return bundle, {"model": value, "source": value if is_checkpoint else str(bundle.source)}
+
+
+def print_suite(found, unrecognised, results: dict) -> None:
+    """What was found (with its split), what was not recognised, and the headline numbers."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from rsclip_ds.evaluation.suite import CLASSIFICATION
+
+    console = Console()
+    table = Table(title=f"rsclip-ds eval --suite: {results['model']} (templates {results['template_set']})")
+    for col in ("set", "protocol", "split", "images", "top-1 / mean recall", "folder"):
+        table.add_column(col)
+    for r in results["sets"]:
+        key = "top1" if r["protocol"] == CLASSIFICATION else "mean_recall"
+        value = f"failed: {r['error']}" if "error" in r else f"{100 * r[key]:.2f} %"
+        table.add_row(r["name"], r["protocol"], r["split"], str(r.get("images", "-")), value, r["root"])
+    console.print(table)
+    for s in found:
+        for warning in s.warnings:
+            console.print(f"[yellow]{s.name}: {warning}[/yellow]")
+    if unrecognised:
+        console.print("not recognised (not evaluated): " + ", ".join(str(p) for p in unrecognised))
+
+
+def _suite_inputs(args) -> dict:
+    """Everything --suite reads (models, the suite root, templates, published numbers), checked
+    before a process group exists."""
+    from rsclip_ds.evaluation.catalog import find_sets, published_results
+    from rsclip_ds.evaluation.prompts import load_template_set
+
+    if args.zero_shot is not None or args.retrieval is not None:
+        raise ConfigError("--suite evaluates the sets found under its folder; run --zero-shot / --retrieval "
+                          "as a separate `rsclip-ds eval`")
+    if not args.suite.is_dir():
+        raise ConfigError(f"--suite {args.suite}: not a folder")
+    bundle, step, base, default_out, ds_config = _load_for_eval(args)
+    cfg = _eval_config(args, base)
+    try:
+        bands = BandChoice.parse(cfg.bands, cfg.band_scale)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    found, unrecognised = find_sets(args.suite, args.overrides)
+    if not found:
+        raise ConfigError(f"--suite {args.suite}: no standard set found (not recognised: "
+                          f"{', '.join(str(p) for p in unrecognised) or 'nothing there'}); the layouts "
+                          f"recognised are listed in docs/guides/evaluation.md")
+    if args.ds_config is not None:
+        if not args.ds_config.is_file():
+            raise ConfigError(f"--ds-config {args.ds_config}: file not found")
+        ds_config = json.loads(args.ds_config.read_text())
+    return dict(bundle=bundle, step=step, cfg=cfg, bands=bands, ds_config=ds_config,
+                templates=load_template_set(cfg.templates if cfg.templates is not None else cfg.templates_set),
+                found=sorted(found, key=lambda s: (s.name, str(s.root))),   # the same order on every rank
+                unrecognised=unrecognised, compare=_load_compare(args.compare) if args.compare else None,
+                published=published_results(), out_dir=args.out or default_out.with_name(f"suite-{default_out.stem}"))
+
+
+def run_suite(args) -> int:
+    """`rsclip-ds eval --suite ROOT`: every standard set under ROOT, the model (and --compare's)
+    on each, the report beside the published numbers; exit 5 when a set had too many unreadable
+    images (it is in the report as failed)."""
+    from rsclip_ds.evaluation.report import write_report
+    from rsclip_ds.evaluation.suite import evaluate_suite, suite_metrics
+    from rsclip_ds.runtime.distributed import configure_logging, destroy_distributed, init_distributed
+
+    x = _suite_inputs(args)
+    cfg, step, out_dir = x["cfg"], x["step"], x["out_dir"]
+    info = init_distributed()
+    try:
+        configure_logging(info.rank)
+        device = torch.device("cpu")
+        if info.on_gpu:
+            from deepspeed.accelerator import get_accelerator
+            device = torch.device(get_accelerator().device_name(info.local_rank))
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+
+        def run_model(b: ModelBundle) -> dict:
+            model = b.model.to(device, dtype).eval()
+            try:
+                embedder = Embedder(model, b, cfg.batch_size, info.rank, info.world_size, device, bands=x["bands"])
+                return evaluate_suite(x["found"], embedder, x["templates"], cfg.max_bad_fraction)
+            except BandsError as err:   # a multispectral TIFF without --bands: every rank stops with the fix
+                raise ConfigError(str(err)) from None
+            finally:
+                b.model.to("cpu")   # the compared model gets the device to itself
+
+        results = {"model": args.model or str(args.checkpoint),
+                   "source": str(x["bundle"].source) if args.model else str(args.checkpoint),
+                   "step": step, "precision": args.precision, **run_model(x["bundle"]),
+                   "unrecognised": [str(p) for p in x["unrecognised"]]}
+        if x["compare"] is not None:
+            results["compare"] = {**x["compare"][1], **run_model(x["compare"][0])}
+        if info.rank == 0:
+            print_suite(x["found"], x["unrecognised"], results)
+            for path in write_report(results, out_dir, x["published"]):
+                log.info("suite: wrote %s", path)
+        monitor = build_monitor(x["ds_config"]) if x["ds_config"] else None
+        if monitor is not None and monitor.enabled:
+            monitor.write_events([(f"Eval/{k}", v, step or 0) for k, v in suite_metrics(results).items()])
+        failed = [r["name"] for r in results["sets"] if "error" in r]
+        if failed and info.rank == 0:
+            print(f"rsclip-ds: DataError: too many unreadable images in {', '.join(failed)} (see the log); "
+                  f"the other sets are in {out_dir}", file=sys.stderr)
+        return 5 if failed else 0
     finally:
         destroy_distributed()

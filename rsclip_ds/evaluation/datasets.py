@@ -153,6 +153,9 @@ class EvalSets:
             raise ConfigError("nothing to evaluate: give a zero-shot class-folder set "
                               "(--zero-shot / eval.zero_shot_dir) and/or a caption JSON "
                               "(--retrieval / eval.retrieval_json)")
-        return cls(zero_shot, load_templates(cfg.templates) if zero_shot else None, retrieval,
+        from rsclip_ds.evaluation.prompts import zero_shot_templates
+
+        templates = zero_shot_templates(cfg.templates, cfg.templates_set) if zero_shot else None
+        return cls(zero_shot, templates, retrieval,
                    cfg.max_bad_fraction)
 

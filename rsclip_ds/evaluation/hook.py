@@ -6,10 +6,14 @@ import json
 import logging
 from pathlib import Path
 
+from rsclip_ds.config import ConfigError, EvalConfig
 from rsclip_ds.data.geotiff import BandChoice
+from rsclip_ds.evaluation.catalog import FoundSet, find_sets
 from rsclip_ds.evaluation.datasets import EvalSets
 from rsclip_ds.evaluation.embed import Embedder, evaluate
 from rsclip_ds.evaluation.metrics import flat_metrics
+from rsclip_ds.evaluation.prompts import TemplateSet, load_template_set
+from rsclip_ds.evaluation.suite import evaluate_suite, suite_metrics
 from rsclip_ds.model import ModelBundle
 
 log = logging.getLogger("rsclip_ds")
@@ -39,33 +43,74 @@ def build_monitor(ds_config: dict):
 # --------------------------------------------------------------------------- during training
 
 def build_eval_hook(run, bundle: ModelBundle, rank: int, world_size: int):
-    """-> hook(step, engine) evaluating every `run.eval.every` steps and after the last, through
-    the engine's forward (ZeRO-3 safe); None when run.eval.every is 0. The data sets are read
-    now, so a wrong path fails before training starts. Returns the flat metrics, None on other
-    steps; rank 0 writes {output_dir}/eval/step{N:08d}.json (the train loop writes the returned
-    metrics to metrics.jsonl and the engine's monitor)."""
+    """-> hook(step, engine) evaluating every `run.eval.every` steps (the suite every
+    `eval.suite_every`, default the same) and after the last, through the engine's forward
+    (ZeRO-3 safe); None when nothing is due ever. The data sets are read and the suite root
+    searched now, so a wrong path fails before training starts."""
     cfg = run.eval
-    if cfg.every == 0:
+    if cfg.every == 0 and cfg.suite_every == 0:
         return None
-    sets = EvalSets.from_config(cfg)
-    out_dir = Path(run.output_dir) / "eval"
+    sets = EvalSets.from_config(cfg) if (cfg.zero_shot_dir or cfg.retrieval_json) else None
+    found = find_suite(cfg.suite, cfg.suite_overrides, rank) if cfg.suite is not None else None
+    templates = load_template_set(cfg.templates if cfg.templates is not None else cfg.templates_set)
+    return make_eval_hook(cfg, bundle, rank, world_size, Path(run.output_dir) / "eval", run.steps,
+                          sets=sets, suite=found, templates=templates)
+
+
+def find_suite(root: Path, overrides: Path | None, rank: int) -> list[FoundSet]:
+    """catalog.find_sets, with the folders it did not recognise logged; none found: ConfigError.
+    Sorted by name and folder: every rank must walk the sets in the same order (each is a collective)."""
+    found, unrecognised = find_sets(root, overrides)
+    found = sorted(found, key=lambda s: (s.name, str(s.root)))
+    if rank == 0:
+        for s in found:
+            log.info("suite: %s in %s, %s", s.name, s.root, s.split)
+            for warning in s.warnings:
+                log.warning("suite: %s: %s", s.name, warning)
+        if unrecognised:
+            log.warning("suite: not recognised under %s (not evaluated): %s", root,
+                        ", ".join(str(p) for p in unrecognised))
+    if not found:
+        raise ConfigError(f"eval.suite / --suite {root}: no standard set found (not recognised: "
+                          f"{', '.join(str(p) for p in unrecognised) or 'nothing there'}); the layouts "
+                          f"recognised are listed in docs/guides/evaluation.md")
+    return found
+
+
+def make_eval_hook(cfg: EvalConfig, bundle: ModelBundle, rank: int, world_size: int, out_dir: Path,
+                   last_step: int, *, sets: EvalSets | None = None, suite: list[FoundSet] | None = None,
+                   templates: TemplateSet | None = None):
+    """The hook of build_eval_hook on sets already read (a seam: tests and workers pass their
+    own). Returns the flat metrics (zero_shot/..., retrieval/..., suite/<set>/top1 or
+    mean_recall), None on steps where nothing is due; rank 0 writes out_dir/step{N:08d}.json
+    (the train loop writes the returned metrics to metrics.jsonl and the engine's monitor).
+    Every rank decides from the step alone, so all join the same collectives."""
+    suite_every = cfg.suite_every or cfg.every
+    templates = templates or load_template_set(None)
+
+    def due(every: int, step: int) -> bool:
+        return bool(every) and (step % every == 0 or step == last_step)
 
     def hook(step: int, engine) -> dict | None:
-        if step % cfg.every and step != run.steps:
+        do_sets, do_suite = sets is not None and due(cfg.every, step), bool(suite) and due(suite_every, step)
+        if not (do_sets or do_suite):
             return None
         was_training = engine.module.training
         engine.eval()
         try:
             embedder = Embedder(engine, bundle, cfg.batch_size, rank, world_size, engine.device, progress=False,
                                 bands=BandChoice.parse(cfg.bands, cfg.band_scale))
-            results = evaluate(embedder, sets)
+            results = evaluate(embedder, sets) if do_sets else {}
+            suite_results = (evaluate_suite(suite, embedder, templates, cfg.max_bad_fraction)
+                             if do_suite else None)
         finally:
             engine.train(was_training)
+        flat = {**flat_metrics(results), **(suite_metrics(suite_results) if suite_results else {})}
         if rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / f"step{step:08d}.json").write_text(json.dumps({"step": step, **results}, indent=2))
-            log_results(results, step)
-        return flat_metrics(results)
+            record = {"step": step, **results, **({"suite": suite_results} if suite_results else {})}
+            (out_dir / f"step{step:08d}.json").write_text(json.dumps(record, indent=2))
+            log.info(f"eval at step {step}: " + "  ".join(f"{k} {100 * v:.2f}" for k, v in flat.items()))
+        return flat
 
     return hook
-

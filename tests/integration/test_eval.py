@@ -93,6 +93,25 @@ def test_trained_far_above_chance_and_untrained_at_chance(trained):
     assert before["retrieval/t2i_R@1"] < 4 * CHANCE_R1
 
 
+def test_the_suite_hook_under_zero3_equals_the_eval_hook(trained):
+    """The benchmark suite's hook (the same sets as one found set) at the same steps, through the
+    ZeRO-3 engine on 2 ranks: its per-set numbers equal the eval hook's; they reach
+    metrics.jsonl (the monitor's feed) and {output_dir}/suite_eval/step*.json."""
+    out, result = trained
+    suite = result["suite_evals"]
+    assert [e["step"] for e in suite] == [e["step"] for e in result["evals"]] == [0, STEPS // 2, STEPS]
+    for ours, theirs in zip(suite, result["evals"]):
+        assert ours["suite/synthetic/top1"] == pytest.approx(theirs["zero_shot/top1"], abs=1e-6)
+        assert ours["suite/synthetic/mean_recall"] == pytest.approx(theirs["retrieval/mean_recall"], abs=1e-6)
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if r.get("kind") == "eval" and "suite/synthetic/top1" in r["eval"]] == \
+        [0, STEPS // 2, STEPS]
+    last = json.loads((out / f"suite_eval/step{STEPS:08d}.json").read_text())["suite"]
+    assert [(s["name"], s["protocol"]) for s in last["sets"]] == [("synthetic", "zero-shot classification"),
+                                                                   ("synthetic", "retrieval")]
+    assert last["sets"][0]["images"] == NUM_VAL and last["template_set"] == "ours"
+
+
 def test_zero3_two_ranks_equal_single_process(trained, eval_data):
     """The exported weights embedded by one plain process match the ZeRO-3 engine's embeddings
     from 2 ranks, and give the same metrics."""
