@@ -144,6 +144,8 @@ DATA = (
         Source("loader.before_uint8.json", note="the same command before the uint8 transport (the file's `note`)"))),
     Family("ingest", "make-shards --hf-dataset against a bare pyarrow + tarfile loop", data.ingest, (
         Source("ingest.json", py("data.ingest", f"--out {R}/ingest.json")),)),
+    Family("leakage", "check-leakage per core: hashing, the index query, the Git-10M projection", data.leakage, (
+        Source("leakage.json", py("data.leakage", f"--out {R}/leakage.json")),)),
 )
 
 COMMS = (

@@ -1,4 +1,5 @@
-"""Sections of docs/results/data.md: benchmarks/data/ (JPEG decoders on one core, the loader per CPU-second)."""
+"""Sections of docs/results/data.md: benchmarks/data/ (JPEG decoders on one core, the loader per CPU-second,
+make-shards, check-leakage)."""
 
 from __future__ import annotations
 
@@ -107,3 +108,32 @@ def ingest(files: dict) -> list[str]:
                   f"{p['bound_by']} ({sig(p['cores_bound_rows_per_s'], 3)} rows/s from the cores at the 2-worker "
                   f"rate, {sig(p['main_process_rows_per_cpu_s'], 3)} rows per CPU-second of the main process); "
                   f"{p['note']}.", ""]
+
+
+def leakage(files: dict) -> list[str]:
+    """leakage.json: check-leakage per core (hash, query, a worker's whole path), what the hashes
+    catch and confuse, and the Git-10M projection."""
+    rep = files["leakage.json"]
+    four = (lambda x: sig(x, 4))
+    out = [f"Synthetic scenes as JPEG q90, per CPU-second of one process (one core), median (min..max) of "
+           f"{rep['repeats']} rounds (the steps in turn); {rep['hash_method']}:", ""]
+    rows = [[f"hash ({px} px, {sig(h['kb_per_image'], 2)} KB)", spread(h["images_per_cpu_s"], four), "-"]
+            for px, h in rep["hash"].items()]
+    rows += [[f"query against {q['indexed']:,} hashes ({kind})", spread(q["queries_per_cpu_s"], four),
+              sig(q["candidates_per_query"], 3)] for kind, q in rep["query"].items()]
+    s = rep["shard"]
+    rows.append([f"a worker's path: tar read + hash + query ({s['indexed']:,} indexed)",
+                 spread(s["images_per_cpu_s"], four), "-"])
+    out += table(["step", "images per CPU-second", "candidates per query"], rows)
+    d = rep["discrimination"]
+    out += [f"What the defaults (64-bit distance <= {d['max_distance']}, 256-bit <= {d['max_fine_distance']}) "
+            f"catch among {d['scenes']} scenes at {d['px']} px and their copies, and confuse among their "
+            f"{d['distinct_pairs']:,} distinct pairs: {d['distinct_matched_coarse_only']} distinct pairs within the "
+            f"64-bit distance alone, {d['distinct_matched']} within both.", ""]
+    out += table(["copy", "found", "found by the 64-bit hash alone", "median distance (64 / 256 bits)"],
+                 [[name, pct(c["found"], 1), pct(c["found_coarse_only"], 1),
+                   f"{fix(c['median_distance'], 0)} / {fix(c['median_fine_distance'], 0)}"]
+                  for name, c in d["copies"].items()])
+    p = rep["git10m_projection"]
+    return out + [f"Git-10M ({p['images']:,} images) on {p['cores']} cores at the worker's rate: "
+                  f"{sig(p['minutes'], 2)} min (workers are independent; the disk is assumed to keep up).", ""]

@@ -13,6 +13,7 @@ import os
 import sys
 
 from rsclip_ds.cli import data, eval, export, info, plan, train
+from rsclip_ds.cli import leakage
 from rsclip_ds.config import ConfigError
 
 def strip_local_rank(argv: list[str]) -> list[str]:
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser; each sub-command's handler is its `handler` default (module.register)."""
     parser = argparse.ArgumentParser(prog="rsclip-ds", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (train, eval, plan, export, data, info):
+    for module in (train, eval, plan, export, data, info, leakage):
         module.register(sub)
     return parser
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rsclip_ds.config import ConfigError
 from rsclip_ds.data.geotiff import BandChoice, BandsError
+from rsclip_ds.data.near_duplicates import MAX_DISTANCE, MAX_FINE_DISTANCE
 from rsclip_ds.data.shard_writer import Encoding, Record, make_shards, read_folder, read_karpathy, read_table
 from rsclip_ds.data.where import Where
 
@@ -106,6 +107,13 @@ def _register_make_shards(sub) -> None:
     p.add_argument("--quality", type=int, default=95, help="JPEG/WebP quality when re-encoding")
     p.add_argument("--workers", type=int, default=1, help="processes reading/re-encoding images "
                    "(output is the same for any number)")
+    p.add_argument("--exclude-near", action="append", type=Path, metavar="ROOT_OR_JSON", help="drop images "
+                   "that are near-duplicates of these evaluation images (a suite root or a caption JSON, as "
+                   "check-leakage --against; repeatable); counted as near_evaluation, pairs in the report")
+    p.add_argument("--exclude-max-distance", type=int, default=MAX_DISTANCE, help="--exclude-near: "
+                   "check-leakage's --max-distance")
+    p.add_argument("--exclude-max-fine-distance", type=int, default=MAX_FINE_DISTANCE, help="--exclude-near: "
+                   "check-leakage's --max-fine-distance")
     p.set_defaults(handler=make_shards_command)
 
 
@@ -127,7 +135,20 @@ def _records(args, filtered: list[str]) -> tuple[list[Record], Path | None]:
     return list(read_folder(args.folder)), args.folder
 
 
-def _convert_hf(args, prefix: str, console) -> dict:
+def _exclude(args, console):
+    """--exclude-near: the evaluation images' index (hashed in --workers processes), or None."""
+    if not args.exclude_near:
+        return None
+    from rsclip_ds.evaluation.leakage import build_near_index
+
+    evals = build_near_index(args.exclude_near, workers=args.workers, max_distance=args.exclude_max_distance,
+                             max_fine_distance=args.exclude_max_fine_distance, console=console)
+    for line in evals.unreadable[:3]:
+        console.print(f"[yellow]--exclude-near: unreadable evaluation image[/yellow] {line}")
+    return evals.near
+
+
+def _convert_hf(args, prefix: str, console, exclude) -> dict:
     from rsclip_ds.data.convert import convert
     from rsclip_ds.data.hf_source import resolve_hf_dataset
     from rsclip_ds.data.ingest import RowSpec
@@ -146,7 +167,8 @@ def _convert_hf(args, prefix: str, console) -> dict:
                    max_side=args.max_side, format=args.format, quality=args.quality,
                    bands=BandChoice.parse(args.bands, args.band_scale), verify=args.verify, split=split)
     return convert(source, args.out, prefix=prefix, spec=spec, shard_size=args.shard_size,
-                   shard_bytes=args.shard_bytes, workers=args.workers, restart=args.restart, console=console)
+                   shard_bytes=args.shard_bytes, workers=args.workers, restart=args.restart, console=console,
+                   exclude=exclude)
 
 
 def make_shards_command(args) -> int:
@@ -156,15 +178,16 @@ def make_shards_command(args) -> int:
     console = Console(stderr=True)
     prefix = args.prefix or (args.split.split(",")[0] if args.split else "train")
     try:
+        exclude = _exclude(args, console)
         if args.hf_dataset:
-            info = _convert_hf(args, prefix, console)
+            info = _convert_hf(args, prefix, console, exclude)
         else:
             filtered: list[str] = []
             records, root = _records(args, filtered)
             encoding = Encoding(args.max_side, args.format, args.quality, BandChoice.parse(args.bands, args.band_scale))
             info = make_shards(records, args.out, prefix=prefix, shard_size=args.shard_size,
                                shard_bytes=args.shard_bytes, root=root, workers=args.workers,
-                               encoding=encoding, console=console, filtered=filtered)
+                               encoding=encoding, console=console, filtered=filtered, exclude=exclude)
     except (ValueError, OSError, BandsError) as err:
         raise ConfigError(str(err)) from None
     table = Table(title=f"make-shards {prefix} -> {args.out}")
@@ -180,6 +203,11 @@ def make_shards_command(args) -> int:
         console.print(f"[yellow]skipped ({kind})[/yellow] e.g. " + "; ".join(paths[:3]))
     if info["skipped"]:
         console.print(f"skipped inputs (by reason, with examples): {args.out / f'{prefix}-report.json'}")
+    if exclude is not None:
+        console.print(f"--exclude-near: dropped {info['skipped'].get('near_evaluation', 0)} image(s) within "
+                      f"pHash {args.exclude_max_distance} (fine {args.exclude_max_fine_distance}) of the "
+                      f"{len(exclude.paths):,} evaluation images; pairs in {args.out / f'{prefix}-report.json'} "
+                      "(near_evaluation_pairs)")
     print(json.dumps({"train_shards": str(args.out / info["pattern"]), "num_samples": info["num_samples"],
                       "num_shards": info["num_shards"], "skipped": info["skipped"]}))
     return 0

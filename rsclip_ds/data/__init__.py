@@ -12,6 +12,7 @@
     tokenizer.py     training a caption tokenizer; tokenize()
     shard_writer.py  caption datasets as users have them -> shards + index (make-shards)
     synthetic.py     synthetic overhead-imagery shards and evaluation sets (make-synthetic)
+    near_duplicates.py  perceptual hashes and their exact index (check-leakage, make-shards --exclude-near)
 
 Full guide: docs/guides/data.md.
 """

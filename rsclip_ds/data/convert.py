@@ -15,21 +15,40 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Iterator
 
+import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
 
 from rsclip_ds.data.hf_source import HFSource
 from rsclip_ds.data.ingest import _TEXT_CAP, AtomicShards, Progress, RowSpec, _ordered, split_images
+from rsclip_ds.data.near_duplicates import NearIndex
 from rsclip_ds.data.shard_writer import _merge_index
 
 FORMAT_VERSION = 2   # of the progress file and of what a row becomes; a change refuses old progress
                      # (2: float32 columns in their shortest form)
 
 
-def _fingerprint(source: HFSource, spec: RowSpec, shard_size: int, shard_bytes: float) -> dict:
+def _fingerprint(source: HFSource, spec: RowSpec, shard_size: int, shard_bytes: float,
+                 exclude: NearIndex | None) -> dict:
     spec_d = asdict(spec)
-    return {"version": FORMAT_VERSION, "source": source.fingerprint(), "spec": json.loads(json.dumps(spec_d)),
-            "shard_size": shard_size, "shard_bytes": shard_bytes}
+    out = {"version": FORMAT_VERSION, "source": source.fingerprint(), "spec": json.loads(json.dumps(spec_d)),
+           "shard_size": shard_size, "shard_bytes": shard_bytes}
+    if exclude is not None:   # the same evaluation images and distances, or no resume
+        out["exclude_near"] = exclude.fingerprint()
+    return out
+
+
+def _near_rows(results: list[tuple[str, object]], exclude: NearIndex | None) -> dict[int, list[dict]]:
+    """--exclude-near: the chunk's rows (by position) whose image matches evaluation images -> the
+    matches; one batched index query per chunk."""
+    if exclude is None:
+        return {}
+    at = [i for i, (status, _) in enumerate(results) if status == "ok"]
+    if not at:
+        return {}
+    hashes = [results[i][1][-1] for i in at]
+    found = exclude.pairs(np.array([h[0] for h in hashes], np.uint64), np.stack([h[1] for h in hashes]))
+    return {i: [{"img_name": h[2], **m} for m in matches] for i, h, matches in zip(at, hashes, found) if matches}
 
 
 def _clean(out: Path, prefix: str, keep: set[str]) -> None:
@@ -70,19 +89,21 @@ def _chunks(source: HFSource, spec: RowSpec, start: int, rows: int) -> Iterator[
 def convert(source: HFSource, out: str | Path, *, prefix: str = "train", spec: RowSpec = RowSpec(),
             shard_size: int = 1000, shard_bytes: float = 0, workers: int = 1, chunk_rows: int = 256,
             restart: bool = False, progress: bool = True, console: Console | None = None,
-            on_row: Callable[[int], None] | None = None) -> dict:
+            on_row: Callable[[int], None] | None = None, exclude: NearIndex | None = None) -> dict:
     """Convert ``source`` into shards in ``out`` (resuming an interrupted run with the same
     options unless ``restart``); returns this prefix's index entry with the skip counts and
-    examples. ``on_row(i)`` is called after row i is handled (the tests kill a run from it)."""
+    examples. ``on_row(i)`` is called after row i is handled (the tests kill a run from it).
+    ``exclude``: rows whose image is near one of these evaluation images are dropped
+    (``near_evaluation``; every match in the report's ``near_evaluation_pairs``)."""
     if shard_size < 1 or shard_bytes < 0 or workers < 1:
         raise ValueError(f"--shard-size and --workers must be >= 1, --shard-bytes >= 0 (got {shard_size}, "
                          f"{workers}, {shard_bytes})")
     spec.check(source.columns, f"--hf-dataset {source.label}")
-    spec = replace(spec, float32_columns=source.float32_columns)
+    spec = replace(spec, float32_columns=source.float32_columns, near_hash=exclude is not None)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{prefix}-progress.json"
-    state = start_state(out, prefix, _fingerprint(source, spec, shard_size, shard_bytes), restart)
+    state = start_state(out, prefix, _fingerprint(source, spec, shard_size, shard_bytes, exclude), restart)
     resumed_at = state.rows_done
     shards = AtomicShards(out, prefix, shard_size, shard_bytes, start=len(state.shards))
 
@@ -97,11 +118,15 @@ def convert(source: HFSource, out: str | Path, *, prefix: str = "train", spec: R
                                 total=source.total, completed=resumed_at, rate=0.0, skipped=sum(state.skipped.values()))
             chunks = _chunks(source, spec, resumed_at, chunk_rows)
             for (results, stats), images in _ordered(chunks, pool, window=4 * workers):
-                state.merge(stats)
-                for (status, value), kept in zip(results, images):
+                state.merge(stats)   # (with --exclude-near the column ranges count the rows dropped below too)
+                near = _near_rows(results, exclude)
+                for at, ((status, value), kept) in enumerate(zip(results, images)):
                     row += 1
-                    if status == "ok":
-                        head, image, tail, captions, text_bytes = value
+                    if at in near:
+                        state.skip("near_evaluation", f"row {row}: {near[at][0]['set']} {near[at][0]['image']}")
+                        state.near_pairs += [{"row": row, **m} for m in near[at]]
+                    elif status == "ok":
+                        head, image, tail, captions, text_bytes, _ = value
                         image = kept if image is None else image   # checked here: its bytes stayed here
                         state.samples += 1
                         state.captions += captions
@@ -146,6 +171,8 @@ def _finish(out: Path, prefix: str, source: HFSource, state: Progress, path: Pat
             "columns": columns, "where": state.fingerprint["spec"]["where"] or None}
     report = {**info, "skipped_examples": state.examples, "resumed_at_row": resumed_at,
               "seconds_this_run": round(seconds, 3)}
+    if "exclude_near" in state.fingerprint:
+        report.update(exclude_near=state.fingerprint["exclude_near"], near_evaluation_pairs=state.near_pairs)
     (out / f"{prefix}-report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     if state.samples == 0:
         raise ValueError(f"no usable row for {prefix!r} out of {source.total}: skipped {skipped or 'nothing'}; "

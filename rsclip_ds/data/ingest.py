@@ -39,10 +39,12 @@ import numpy as np
 from rsclip_ds.data.geotiff import BandChoice
 from rsclip_ds.data.hf_source import tile_centre
 from rsclip_ds.data.image_check import Checked, encode_image, image_bytes, precheck
+from rsclip_ds.data.near_duplicates import HASH_ERRORS, image_hashes
 from rsclip_ds.data.where import Where
 
 MTIME = 946684800          # 2000-01-01: fixed member time, reproducible tars
-SKIP_KINDS = ("filtered_out", "caption_length", "empty_caption", "missing_image", "corrupt_image")
+SKIP_KINDS = ("filtered_out", "caption_length", "empty_caption", "missing_image", "corrupt_image",
+              "near_evaluation")   # the last: --exclude-near (convert.py drops what the worker's hash matches)
 EXAMPLES = 20              # per reason, in the report
 _TEXT_CAP = 1000           # distinct strings counted per column (more: ">1000")
 
@@ -63,6 +65,7 @@ class RowSpec:
     split: str | None = "train"            # the dataset split, written into each sample's JSON
     name_column: str = "img_name"
     float32_columns: tuple[str, ...] = ()  # written as their shortest float32 form (0.98, not 0.98000001907)
+    near_hash: bool = False                # --exclude-near: pHash every image (near_duplicates.image_hashes)
 
     def check(self, columns: list[str], label: str) -> None:
         wanted = [self.image_column, *self.caption_columns]
@@ -123,12 +126,13 @@ def _pad(size: int) -> bytes:
 
 
 def row_sample(index: int, row: dict, spec: RowSpec, where: Where) -> tuple[str, object]:
-    """One row -> ('ok', (head, image, tail, meta, captions, text bytes)) or (skip reason, detail).
+    """One row -> ('ok', (head, image, tail, meta, captions, text bytes, hashes)) or (skip reason, detail).
 
     The sample as tar blocks: ``head`` (the image member's header), the image bytes, ``tail``
     (their padding, then the .txt and .json members, headers included), so that the writer only
     concatenates them. ``image`` is None when the main process checked the image and kept its
-    bytes (the row's image column then holds an image_check.Checked)."""
+    bytes (the row's image column then holds an image_check.Checked). ``hashes``: with
+    ``spec.near_hash`` (coarse, fine, the row's name) of the image as written, else None."""
     from PIL import Image
 
     captions = []
@@ -165,6 +169,12 @@ def row_sample(index: int, row: dict, spec: RowSpec, where: Where) -> tuple[str,
             return "corrupt_image", f"{type(err).__name__}: {err}"
         size = len(image)
     name = row.get(spec.name_column)
+    hashes = None
+    if spec.near_hash:   # split_images shipped the bytes: image is never None here
+        try:
+            hashes = (*image_hashes(image), name)
+        except HASH_ERRORS as err:   # passed the header check, does not decode
+            return "corrupt_image", f"{type(err).__name__}: {err}"
     info = {"filename": name, "captions": captions, "split": spec.split,
             **{k: v for k, v in meta.items() if k not in ("filename", "captions", "split")}}
     key, tail, text_bytes = f"{index:09d}", [_pad(size)], 0
@@ -172,7 +182,7 @@ def row_sample(index: int, row: dict, spec: RowSpec, where: Where) -> tuple[str,
                        ("json", json.dumps(info, sort_keys=True, ensure_ascii=False).encode("utf-8"))):
         tail += [_tar_header(f"{key}.{ext_}", len(data)), data, _pad(len(data))]
         text_bytes += len(data)
-    return "ok", (_tar_header(f"{key}.{ext}", size), image, b"".join(tail), meta, len(captions), text_bytes)
+    return "ok", (_tar_header(f"{key}.{ext}", size), image, b"".join(tail), meta, len(captions), text_bytes, hashes)
 
 
 def prepare_chunk(args: tuple[int, dict[str, list], RowSpec]) -> tuple[list[tuple[str, object]], dict]:
@@ -187,7 +197,7 @@ def prepare_chunk(args: tuple[int, dict[str, list], RowSpec]) -> tuple[list[tupl
         status, value = row_sample(start + i, {c: columns[c][i] for c in names}, spec, where)
         if status == "ok":
             observe(stats, value[3])
-            value = (*value[:3], *value[4:])    # (head, image, tail, captions, text bytes)
+            value = (*value[:3], *value[4:])    # (head, image, tail, captions, text bytes, hashes)
         results.append((status, value))
     for col in stats.values():
         col.pop("_set", None)   # observe()'s lookup aid; the list travels
@@ -223,12 +233,13 @@ def observe(columns: dict[str, dict], meta: dict) -> None:
 def split_images(start: int, columns: dict[str, list], spec: RowSpec) -> tuple[tuple, list[bytes | None]]:
     """The main process's side of a chunk: (what a worker gets, the image bytes kept here).
     Images that the header check settles (image_check.precheck) are replaced by their Checked
-    in the worker's columns, so their bytes never travel; the others travel as they are."""
+    in the worker's columns, so their bytes never travel; the others travel as they are (all of
+    them with ``spec.near_hash``: the worker decodes each to hash it)."""
     col = spec.image_column
     kept, shipped = [], []
     for value in columns[col]:
         data = image_bytes(value)
-        checked = precheck(data, spec.format, spec.verify, spec.max_side, col)
+        checked = None if spec.near_hash else precheck(data, spec.format, spec.verify, spec.max_side, col)
         kept.append(data if checked is not None else None)
         shipped.append(checked if checked is not None else value)
     return (start, {**columns, col: shipped}, spec), kept
@@ -247,6 +258,7 @@ class Progress:
     examples: dict[str, list[str]] = field(default_factory=dict)
     columns: dict[str, dict] = field(default_factory=dict)
     captions: int = 0
+    near_pairs: list[dict] = field(default_factory=list)    # --exclude-near: each dropped row's matches
 
     def __post_init__(self):
         # the distinct strings per column as a set too (the saved list stays in first-seen order)
@@ -282,7 +294,8 @@ class Progress:
 
     def save(self, path: Path) -> None:
         state = {name: getattr(self, name) for name in ("fingerprint", "rows_done", "samples", "shards",
-                                                        "skipped", "examples", "columns", "captions")}
+                                                        "skipped", "examples", "columns", "captions",
+                                                        "near_pairs")}
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(state, sort_keys=True))
         os.replace(tmp, path)   # atomic: a kill leaves the old or the new file, never half of one

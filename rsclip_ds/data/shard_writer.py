@@ -22,6 +22,7 @@ GeoTIFFs with --bands (geotiff.py: three bands scaled to 8-bit, written as PNG).
 keep their other columns in the JSON (numbers as numbers) and --where filters on them
 (where.py). Published corpora with the image bytes in a parquet/arrow column go through
 ``--hf-dataset`` instead (hf_source.py, ingest.py, convert.py: streamed, resumable).
+``--exclude-near`` drops images near evaluation images (near_duplicates.py; the pairs in the report).
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 from PIL import Image
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from webdataset import TarWriter
 
 from rsclip_ds.data.geotiff import BandChoice, is_tiff, to_rgb
+from rsclip_ds.data.near_duplicates import HASH_ERRORS, NearIndex, image_hashes
 from rsclip_ds.data.where import Where
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".tif", ".tiff", ".bmp")
@@ -214,16 +217,18 @@ def _needs_bands(data: bytes) -> bool:
 IMAGE_OPEN_ERRORS = (OSError, ValueError, SyntaxError)
 
 
-def _prepare(args: tuple[Record, Encoding]) -> tuple[str, object]:
-    """Worker: ('ok', (bytes, ext)) or (kind, reason)."""
-    rec, enc = args
+def _prepare(args: tuple[Record, Encoding, bool]) -> tuple[str, object]:
+    """Worker: ('ok', (bytes, ext, hashes)) or (kind, reason); ``hashes`` (near_duplicates.
+    image_hashes of the bytes written) when the third argument says so, else None."""
+    rec, enc, near_hash = args
     if not rec.captions:
         return "missing_caption", "no caption"
     if not rec.path.is_file():
         return "missing_image", "no such file"
     try:
-        return "ok", load_image(rec.path, enc)
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+        data, ext = load_image(rec.path, enc)
+        return "ok", (data, ext, image_hashes(data) if near_hash else None)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) + HASH_ERRORS as err:
         return "unreadable_image", f"{type(err).__name__}: {err}"
 
 
@@ -282,10 +287,12 @@ def _merge_index(out: Path, prefix: str, report: ShardReport, info: dict) -> dic
 def make_shards(records: Iterator[Record] | list[Record], out: str | Path, *, prefix: str = "train",
                 shard_size: int = 1000, shard_bytes: float = 0, encoding: Encoding = Encoding(),
                 root: Path | None = None, workers: int = 1, progress: bool = True,
-                console: Console | None = None, filtered: list[str] = ()) -> dict:
+                console: Console | None = None, filtered: list[str] = (), exclude: NearIndex | None = None) -> dict:
     """Write shards of ``records`` into ``out``; returns this prefix's index entry with counts of
     skipped inputs (every skipped path is in ``{out}/{prefix}-report.json``); ``filtered``: the
-    inputs a --where filter dropped before (counted as filtered_out)."""
+    inputs a --where filter dropped before (counted as filtered_out). ``exclude`` (--exclude-near):
+    images near one of these evaluation images are dropped (near_evaluation), every match listed
+    in the report's ``near_evaluation_pairs``."""
     if shard_size < 1 or shard_bytes < 0:
         raise ValueError(f"--shard-size must be >= 1 and --shard-bytes >= 0 (got {shard_size}, {shard_bytes})")
     out = Path(out)
@@ -293,7 +300,7 @@ def make_shards(records: Iterator[Record] | list[Record], out: str | Path, *, pr
     for old in out.glob(f"{prefix}-[0-9]*.tar"):
         old.unlink()   # a rerun with a larger shard size must not leave stale shards behind
     records = list(records)
-    report, used = ShardReport(), set()
+    report, used, near_pairs = ShardReport(), set(), []
     for path in filtered:
         report.skip("filtered_out", path)
     shards = _Shards(out, prefix, shard_size, shard_bytes)
@@ -301,15 +308,19 @@ def make_shards(records: Iterator[Record] | list[Record], out: str | Path, *, pr
                TextColumn("{task.fields[skipped]} skipped"), TimeRemainingColumn()]
     pool = ProcessPoolExecutor(workers) if workers > 1 else None
     try:
-        jobs = ((rec, encoding) for rec in records)
+        jobs = ((rec, encoding, exclude is not None) for rec in records)
         results = pool.map(_prepare, jobs, chunksize=16) if pool else map(_prepare, jobs)
         with Progress(*columns, console=console, disable=not progress) as bar:
             task = bar.add_task(prefix, total=len(records), skipped=0)
             for rec, (status, value) in zip(records, results):
-                if status != "ok":
+                matches = exclude.pairs(np.uint64(value[2][0]), value[2][1])[0] if exclude and status == "ok" else []
+                if matches:
+                    report.skip("near_evaluation", f"{rec.path}: {matches[0]['set']} {matches[0]['image']}")
+                    near_pairs += [{"input": str(rec.path), **m} for m in matches]
+                elif status != "ok":
                     report.skip(status, f"{rec.path}: {value}")
                 else:
-                    data, ext = value
+                    data, ext, _ = value
                     meta = {**rec.meta, "filename": rec.path.name, "captions": rec.captions, "split": rec.split}
                     sample = {"__key__": _key(rec, root, used), ext: data,
                               "txt": "\n".join(rec.captions).encode("utf-8"),
@@ -326,8 +337,9 @@ def make_shards(records: Iterator[Record] | list[Record], out: str | Path, *, pr
     info = {"num_samples": report.samples, "num_shards": len(report.shards), "skipped": skipped,
             "pattern": f"{prefix}-{{000000..{max(len(report.shards) - 1, 0):06d}}}.tar",
             "captions": sum(len(r.captions) for r in records)}
+    near = {"exclude_near": exclude.fingerprint(), "near_evaluation_pairs": near_pairs} if exclude else {}
     (out / f"{prefix}-report.json").write_text(json.dumps(
-        {**info, "skipped_paths": dict(sorted(report.skipped.items()))}, indent=2, sort_keys=True) + "\n")
+        {**info, "skipped_paths": dict(sorted(report.skipped.items())), **near}, indent=2, sort_keys=True) + "\n")
     if report.samples == 0:
         raise ValueError(f"no usable input for {prefix!r}: skipped {skipped or 'nothing (no input)'}; "
                          f"see {out / f'{prefix}-report.json'} (check --images / the split / the columns)")

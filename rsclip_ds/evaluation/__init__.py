@@ -4,6 +4,7 @@
     datasets.py   class folders, caption JSON, prompt templates -> EvalSets
     embed.py      Embedder (through the model's forward, split over ranks), evaluate()
     hook.py       periodic evaluation during training, its JSON and monitor events
+    leakage.py    training shards against evaluation images by perceptual hash (check-leakage)
 
 The `rsclip-ds eval` command is rsclip_ds/cli/eval.py.
 """

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ANCHORS = {      # other docs link to these anchors on these pages (`results/memory.md#memory-peak`): keep them
     "throughput.md": ["throughput", "throughput-openclip", "gpu"],
     "memory.md": ["memory", "memory-finetune", "memory-peak", "build-rss", "checkpoint-bytes", "step-faults"],
-    "data.md": ["decode", "loader", "ingest"],
+    "data.md": ["decode", "loader", "ingest", "leakage"],
     "comms.md": ["comms", "comms-hpz", "scaling", "heartbeat"],
     "training.md": ["contrastive", "grad-accum", "pure-bf16"],
 }
