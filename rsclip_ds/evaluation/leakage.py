@@ -41,23 +41,39 @@ class EvalImage:
     split: str | None = None   # a caption JSON's split of the image
 
 
-def _set_of(path: Path, root: Path) -> str:
-    """The set of an image under a suite root: its top-level folder (catalog.find_sets will name
-    the standard sets by their layouts; this is the one place to switch)."""
+def _named_sets(root: Path) -> list[tuple[Path, str]]:
+    """(folder, name) of every set the catalog recognises under a suite root, deepest first, so an
+    image is counted under the standard set's name whatever its folder is called."""
+    from rsclip_ds.evaluation.catalog import find_sets
+
+    found, _ = find_sets(root)
+    known = [(f.root.resolve(), f.name) for f in found if f.spec is not None]   # unknown sets: by folder
+    return sorted(known, key=lambda named: -len(named[0].parts))
+
+
+def _set_of(path: Path, root: Path, named: list[tuple[Path, str]]) -> str:
+    """The set of an image under a suite root: the recognised set whose folder holds it (all of its
+    images, not only the test split: a training copy of any of them is a leak), else the image's
+    top-level folder."""
+    parents = path.resolve().parents
+    for folder, name in named:
+        if folder in parents:
+            return name
     parts = path.relative_to(root).parts
     return parts[0] if len(parts) > 1 else root.name
 
 
 def evaluation_images(source: str | Path) -> list[EvalImage]:
-    """A suite root (a folder of evaluation sets: every image file under it, its set the
-    top-level folder) or a Karpathy caption JSON (its images, all splits; its set the JSON's
+    """A suite root (a folder of evaluation sets: every image file under it, its set the one
+    catalog.find_sets recognises there, else the top-level folder) or a Karpathy caption JSON (its images, all splits; its set the JSON's
     "dataset" name, else the file name)."""
     source = Path(source)
     if source.is_dir():
         found = sorted(p for p in source.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
         if not found:
             raise ConfigError(f"--against {source}: no image files under it ({', '.join(IMAGE_EXTENSIONS)})")
-        return [EvalImage(_set_of(p, source), p) for p in found]
+        named = _named_sets(source)
+        return [EvalImage(_set_of(p, source, named), p) for p in found]
     if source.is_file() and source.suffix.lower() == ".json":
         return _caption_json_images(source)
     raise ConfigError(f"--against {source}: {'not a .json file' if source.is_file() else 'no such file or folder'}; "

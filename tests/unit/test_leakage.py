@@ -280,3 +280,20 @@ def test_an_interrupted_exclude_near_conversion_resumes_with_its_pairs(suite, tm
     other = build_near_index([suite.suite], workers=1, max_distance=10, max_fine_distance=40, progress=False).near
     with pytest.raises(ValueError, match="differs in: exclude_near"):
         convert(source, tmp_path / "c", shard_size=3, exclude=other, progress=False)
+
+
+def test_evaluation_images_are_counted_under_the_catalog_names_of_the_sets(tmp_path):
+    """A standard set under a folder of another name is counted under its table name (the catalog
+    recognises it by its class folders), with all of its images, not only its test split; a folder
+    the catalog does not know keeps its own name."""
+    from collections import Counter
+
+    from rsclip_ds.evaluation.leakage import evaluation_images
+    from tests.rs_sets import write_set
+
+    write_set("UCMerced", tmp_path / "suite", per_class=2, folder="my_ucm_copy")   # 21 classes, split list beside
+    other = tmp_path / "suite" / "field_photos" / "sheep"
+    other.mkdir(parents=True)
+    (other / "a.jpg").write_bytes((tmp_path / "suite").rglob("*.tif").__next__().read_bytes())
+    counts = Counter(image.set for image in evaluation_images(tmp_path / "suite"))
+    assert counts == {"UCMerced": 42, "field_photos": 1}
