@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from rsclip_ds.cli import data, eval, export, info, plan, train
+from rsclip_ds.cli import checkpoint, data, eval, export, info, plan, train
 from rsclip_ds.config import ConfigError
 
 def strip_local_rank(argv: list[str]) -> list[str]:
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser; each sub-command's handler is its `handler` default (module.register)."""
     parser = argparse.ArgumentParser(prog="rsclip-ds", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (train, eval, plan, export, data, info):
+    for module in (train, eval, plan, export, checkpoint, data, info):
         module.register(sub)
     return parser
 
