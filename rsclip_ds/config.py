@@ -308,7 +308,7 @@ class CheckpointConfig(Strict):
     verify: Literal["checksum", "size"] = Field(
         "checksum", description="What a resume checks against the tag's manifest (every file's size and "
         "xxh3_128) before loading: 'checksum' (sizes and checksums; each rank reads the files its rank "
-        "wrote, about 0.04 s/GiB of hashing on top of the read) or 'size' (sizes only: a stat per file). "
+        "wrote; the hash costs ~0.06 s/GiB on top of the read) or 'size' (sizes only: a stat per file). "
         "A broken tag is skipped for the newest intact one under --resume auto/latest.")
 
 

@@ -32,7 +32,7 @@ import xxhash
 from rsclip_ds.runtime.storage import free_bytes, is_no_space, mount_of
 
 MANIFEST = "rsclip_manifest.json"
-ALGORITHM = "xxh3_128"       # 0.04 s/GiB on one core here (benchmarks/faults/checksum.py): disks are slower
+ALGORITHM = "xxh3_128"       # ~0.06 s/GiB on one core (docs/results/faults.md#checksum): the disk is slower
 CHUNK = 8 << 20
 # not listed: the meta and the manifest themselves (written after), temp files, the universal
 # conversion (made later, by a resume on another number of ranks; it has its own marker)
@@ -40,12 +40,12 @@ UNLISTED_DIRS = ("universal", "universal.partial")
 
 
 def digest(path: Path) -> tuple[int, str]:
-    """(bytes, xxh3_128 hex) of a file, read in 8 MiB chunks."""
-    h, size = xxhash.xxh3_128(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-            size += len(chunk)
+    """(bytes, xxh3_128 hex) of a file, read in 8 MiB chunks into one buffer."""
+    h, size, view = xxhash.xxh3_128(), 0, memoryview(bytearray(CHUNK))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            h.update(view[:n])
+            size += n
     return size, h.hexdigest()
 
 
