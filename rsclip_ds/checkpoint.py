@@ -7,6 +7,8 @@ Layout (docs/reference/file-formats.md):
         step00000040/             one tag per saved step
             rsclip_meta.json      step, resolved config, rsclip_ds version; written only after
                                   every rank finished writing, so it marks a complete checkpoint
+            rsclip_manifest.json  every file's path, size and xxh3_128 (integrity.py); written
+                                  just before the meta, verified on resume
             rsclip_rank00000.pt   each rank's RNG state and data position (one small file per rank)
             rsclip_history.json   the run's per-step losses, learning rates and evaluations
             hf/                   config.json, tokenizer, preprocessor_config.json (no weights)
@@ -16,9 +18,12 @@ Layout (docs/reference/file-formats.md):
                                   marks it complete)
 
 DeepSpeed's own `latest` file is written by rank 0 before the other ranks finish their shards,
-so we save with `save_latest=False` and never read it. The pointer moves after a barrier that
-follows every rank's write, by write-temp + fsync + os.replace: a process killed mid-save
-leaves the previous checkpoint as the one `--resume latest` and `resolve_checkpoint` find.
+so we save with `save_latest=False` and never read it. The pointer moves after every rank has
+reported its writes (one all_gather), by write-temp + fsync + os.replace: a process killed
+mid-save leaves the previous checkpoint as the one `--resume latest` and `resolve_checkpoint`
+find. A write that finds the disk full is reported too: every rank then raises the same
+DiskFullError and rank 0 removes the torn tag. A resume verifies the manifest and falls back to
+the newest intact tag (`select_resume_tag`).
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ import torch
 
 from rsclip_ds import __version__
 from rsclip_ds.config import CheckpointConfig, ConfigError, RunConfig
-from rsclip_ds.runtime.storage import fsync_dir
+from rsclip_ds.integrity import (MANIFEST, DiskFullError, SaveWrites, WriteFailure, build_manifest, deepspeed_writes,
+                                 disk_full_message, verify_tag)
+from rsclip_ds.runtime.storage import decide_on_rank0, fsync_dir, gather_on_every_rank, is_no_space
 
 log = logging.getLogger("rsclip_ds")
 
@@ -63,11 +70,15 @@ def checkpoint_root(output_dir: Path) -> Path:
 def _atomic_write(path: Path, text: str) -> None:
     """Readers see the old file or the new one, never a torn one (also across a power loss)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)   # a full disk leaves no temp file behind
+        raise
     fsync_dir(path.parent)   # the rename itself is durable only once the folder is synced
 
 
@@ -136,6 +147,49 @@ def resume_tag(root: Path, resume: str) -> str | None:
         have = ", ".join(complete_tags(root)) or "none"
         raise ConfigError(f"--resume {resume}: no complete checkpoint of that name in {root} (complete ones: {have})")
     return resume
+
+
+def select_resume_tag(root: Path, resume: str, *, checksums: bool = True, rank: int = 0,
+                      world_size: int = 1) -> str | None:
+    """resume_tag, decided by rank 0, then verified against its manifest by every rank (each the
+    files its rank number wrote: integrity.verify_files): the same tag on every rank. 'auto' /
+    'latest' fall back to the newest intact tag, with a warning naming the broken file and the
+    tag resumed from; a named tag that is broken, or no intact tag left, is a ConfigError naming
+    the files. Every rank of the group must call it."""
+    candidates = decide_on_rank0(lambda: _candidates(Path(root), resume))
+    broken: list[tuple[str, list[str]]] = []
+    for tag in candidates:
+        views = gather_on_every_rank(verify_tag(Path(root) / tag, checksums, (rank, world_size)))
+        if all(v is None for v in views):
+            if rank == 0:
+                log.info("checkpoint %s has no %s (an older rsclip_ds wrote it): loading it without checking sizes "
+                         "or checksums", tag, MANIFEST)
+        problems = sorted(p for v in views if v for p in v)
+        if not problems:
+            if rank == 0:
+                for bad, why in broken:
+                    log.warning("checkpoint %s is broken: %s; resuming from %s, the newest intact checkpoint",
+                                bad, "; ".join(why), tag)
+            return tag
+        if resume not in ("auto", "latest"):
+            raise ConfigError(f"--resume {resume}: checkpoint {tag} is broken: {'; '.join(problems)}. Resume another "
+                              f"tag, or --resume latest for the newest intact one (rsclip-ds verify-checkpoint "
+                              f"{root} lists them)")
+        broken.append((tag, problems))
+    if broken:
+        listed = " | ".join(f"{tag}: {'; '.join(why)}" for tag, why in broken)
+        raise ConfigError(f"--resume {resume}: no intact checkpoint left in {root} ({listed}). Restore the files "
+                          f"named, or start afresh in another output_dir")
+    return None
+
+
+def _candidates(root: Path, resume: str) -> list[str]:
+    """The tags to try, in order: the one resume_tag names, then ('auto', 'latest') older complete ones."""
+    first = resume_tag(root, resume)
+    if first is None:
+        return []
+    older = [t for t in reversed(complete_tags(root)) if t < first] if resume in ("auto", "latest") else []
+    return [first, *older]
 
 
 def prepare_fresh_root(root: Path, overwrite: bool, rank: int) -> None:
@@ -222,55 +276,112 @@ class Checkpointer:
     """Saves on every rank, moves the pointer once all ranks finished, keeps the newest N.
 
     `write_extras(folder)` runs on rank 0 for each save (the tokenizer and model config for
-    export). `kill_in_save_at` is the fault-injection switch of faults.inject_kill_in_save_at_step."""
+    export). `expected_bytes`: one checkpoint's size as estimated at start-up (for the disk-full
+    message until a save has measured one). Fault injection: `kill_in_save_at`
+    (faults.inject_kill_in_save_at_step), `enospc_in_save_at` / `enospc_rank`
+    (faults.inject_enospc_in_save_at_step / _rank: that rank's first write of that save fails
+    with a real OSError(ENOSPC) after 4 KiB)."""
 
     def __init__(self, cfg: CheckpointConfig, root: Path, *, rank: int, world_size: int,
                  run_config: dict[str, Any], write_extras: Callable[[Path], None] | None = None,
-                 kill_in_save_at: int | None = None):
+                 kill_in_save_at: int | None = None, enospc_in_save_at: int | None = None,
+                 enospc_rank: int | None = None, expected_bytes: int | None = None):
         self.cfg, self.root = cfg, Path(root)
         self.rank, self.world_size = rank, world_size
         self.run_config = run_config
         self.write_extras = write_extras
         self.kill_in_save_at = kill_in_save_at
+        self.enospc_in_save_at = enospc_in_save_at
+        self.enospc_rank = world_size - 1 if enospc_rank is None else enospc_rank
+        if not 0 <= self.enospc_rank < world_size:
+            raise ConfigError(f"faults.inject_enospc_rank={enospc_rank}, but the run has {world_size} rank(s)")
+        self.expected_bytes = expected_bytes
         self.saved: list[str] = []
 
     def due(self, step: int, last_step: int) -> bool:
         return bool((self.cfg.every and step % self.cfg.every == 0) or (self.cfg.at_end and step == last_step))
 
     def save(self, engine, step: int, client_state: dict[str, Any]) -> str:
-        import torch.distributed as dist
-
         tag = tag_for(step)
+        folder = self.root / tag
         # O(1) per rank: each rank writes its own RNG and data position to its own small file, rank
         # 0 the run's history once. (DeepSpeed writes the client state into rank 0's file at
         # ZeRO-1/2 and into every rank's at ZeRO-3: a gathered history there grew with ranks².)
         history = client_state.pop("result")
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            stale = self.root / tag / META   # a re-save after a resume: not complete until re-marked
-            stale.unlink(missing_ok=True)
-            shutil.rmtree(self.root / tag / UNIVERSAL_DIR, ignore_errors=True)   # converted from the old shards
-        engine.save_checkpoint(str(self.root), tag=tag, save_latest=False,
-                               client_state={"rsclip": {"step": step, "version": __version__}})
-        (self.root / tag).mkdir(parents=True, exist_ok=True)
-        torch.save(client_state, self.root / tag / RANK_FILE.format(self.rank))
+            for stale in (META, MANIFEST):   # a re-save after a resume: not complete until re-marked
+                (folder / stale).unlink(missing_ok=True)
+            shutil.rmtree(folder / UNIVERSAL_DIR, ignore_errors=True)   # converted from the old shards
+        injected = self.enospc_in_save_at == step and self.rank == self.enospc_rank
+        writes = SaveWrites(folder, self.rank, fail_after=4096 if injected else None)
+        self._save_deepspeed(engine, writes, tag, step)
+        folder.mkdir(parents=True, exist_ok=True)
+        writes.write(folder / RANK_FILE.format(self.rank), lambda f: torch.save(client_state, f))
         if self.rank == 0:
-            (self.root / tag / HISTORY).write_text(json.dumps(history))
-            if self.write_extras is not None:
-                self.write_extras(self.root / tag / HF_DIR)
+            writes.write_bytes(folder / HISTORY, json.dumps(history).encode())
+            if self.write_extras is not None and writes.failure is None:
+                with writes.no_space(folder / HF_DIR):
+                    self.write_extras(folder / HF_DIR)
+                    writes.add_written(folder / HF_DIR)
         if self.kill_in_save_at == step and self.rank == self.world_size - 1:
             log.warning("fault injection: rank %d SIGKILLs itself inside the save of %s", self.rank, tag)
             os.kill(os.getpid(), signal.SIGKILL)
-        dist.barrier()   # every rank's shards are on disk
+        # every rank's shards are on disk, or some rank found no room: each rank learns both here
+        reports = gather_on_every_rank(writes.report())
+        failures = [WriteFailure(**r["failure"]) for r in reports if r["failure"]]
+        # rank 0 commits (manifest, meta, pointer) or removes the torn tag; its outcome on every rank
+        message = decide_on_rank0(lambda: self._abandon(tag, failures) if failures else self._commit(tag, step, reports))
+        if message is not None:
+            raise DiskFullError(message)
         if self.rank == 0:
-            meta = {"step": step, "tag": tag, "world_size": self.world_size,
-                    "rsclip_ds_version": __version__, "config": self.run_config}
-            _atomic_write(self.root / tag / META, json.dumps(meta, indent=2))
-            _atomic_write(self.root / POINTER, tag + "\n")
             self._prune()
         self.saved.append(tag)
         log.info("checkpoint %s saved to %s", tag, self.root)
         return tag
+
+    def _save_deepspeed(self, engine, writes: SaveWrites, tag: str, step: int) -> None:
+        """DeepSpeed's shards, written through ``writes``. A full disk outside its checkpoint engine
+        (its recovery scripts) escapes save_checkpoint before its last barrier, where the other
+        ranks wait: this rank then takes that barrier itself, so the collectives stay paired."""
+        import torch.distributed as dist
+
+        try:
+            with deepspeed_writes(engine, writes):
+                engine.save_checkpoint(str(self.root), tag=tag, save_latest=False,
+                                       client_state={"rsclip": {"step": step, "version": __version__}})
+        except OSError as err:
+            if not is_no_space(err):
+                raise
+            writes.record(err, self.root)
+            if dist.is_available() and dist.is_initialized():
+                dist.barrier()
+
+    def _commit(self, tag: str, step: int, reports: list[dict[str, Any]]) -> str | None:
+        """Rank 0, once every rank wrote its files: the manifest, the meta, then the pointer. None,
+        or the DiskFull message when one of these found no room."""
+        folder = self.root / tag
+        try:
+            manifest = build_manifest(folder, tag, reports, skip=(META,))
+            _atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1))
+            meta = {"step": step, "tag": tag, "world_size": self.world_size,
+                    "rsclip_ds_version": __version__, "config": self.run_config}
+            _atomic_write(folder / META, json.dumps(meta, indent=2))
+            _atomic_write(self.root / POINTER, tag + "\n")
+        except OSError as err:
+            if not is_no_space(err):
+                raise
+            (folder / META).unlink(missing_ok=True)   # not complete: the pointer still names the previous tag
+            writes = SaveWrites(folder, self.rank)
+            writes.record(err, folder)
+            return self._abandon(tag, [writes.failure])
+        self.expected_bytes = manifest["bytes"]
+        return None
+
+    def _abandon(self, tag: str, failures: list[WriteFailure]) -> str:
+        """Rank 0, after a save some rank could not finish: remove the torn tag; the message."""
+        shutil.rmtree(self.root / tag, ignore_errors=True)
+        return disk_full_message(tag, failures, self.expected_bytes, latest_tag(self.root), self.cfg.keep_last)
 
     def _prune(self) -> None:
         """Delete complete checkpoints older than the newest `keep_last`, and incomplete ones

@@ -305,6 +305,11 @@ class CheckpointConfig(Strict):
         None, ge=1, description="End this process after this optimizer step of the run (saving a "
         "checkpoint, exit code 0), with the LR schedule of `steps` unchanged: for chains of jobs with "
         "a bounded wall time. The next job continues with --resume latest.")
+    verify: Literal["checksum", "size"] = Field(
+        "checksum", description="What a resume checks against the tag's manifest (every file's size and "
+        "xxh3_128) before loading: 'checksum' (sizes and checksums; each rank reads the files its rank "
+        "wrote; the hash costs ~0.06 s/GiB on top of the read) or 'size' (sizes only: a stat per file). "
+        "A broken tag is skipped for the newest intact one under --resume auto/latest.")
 
 
 TEMPLATE_SET_NAMES = ("ours", "git-rsclip", "remoteclip", "georsclip")   # evaluation/prompts.py

@@ -161,6 +161,10 @@ class Preempted(RunStopped):
     exit_code = 75   # EX_TEMPFAIL: try again (with --resume latest)
 
 
+class DiskFull(RunStopped):
+    exit_code = 6    # a checkpoint save found no room (ENOSPC/EDQUOT): the message names the intact tag
+
+
 @dataclass
 class Guard:
     """The loop's fault handling: SIGTERM agreement, the non-finite stop, fault injection.

@@ -24,7 +24,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rsclip_ds.checkpoint import Checkpointer, checkpoint_root, prepare_fresh_root, resume_tag, write_hf_extras
+from rsclip_ds.checkpoint import (Checkpointer, checkpoint_root, complete_tags, prepare_fresh_root,
+                                  select_resume_tag, write_hf_extras)
 from rsclip_ds.config import ConfigError, RunConfig
 from rsclip_ds.data import build_train_loader, check_shared_memory, expand_urls
 from rsclip_ds.data.loader import available_cores
@@ -48,8 +49,9 @@ from rsclip_ds.reporting.metrics import MetricsLog
 from rsclip_ds.reporting.progress import ProgressReporter
 from rsclip_ds.reporting.summary import build_summary, print_summary, write_summary
 from rsclip_ds.reshard import load_resharded, needs_universal, universal_ds_config
-from rsclip_ds.runtime.storage import check_shared_dir, decide_on_rank0
-from rsclip_ds.train import Guard, Preempted, TrainResult, train
+from rsclip_ds.runtime.storage import check_shared_dir
+from rsclip_ds.integrity import DiskFullError, checkpoint_bytes, param_counts, saves_in_run, space_shortfall
+from rsclip_ds.train import DiskFull, Guard, Preempted, TrainResult, train
 
 log = logging.getLogger("rsclip_ds")
 Hook = Callable[[int, Any], "dict | None"]
@@ -152,7 +154,9 @@ class Trainer:
         if c.every or c.at_end or c.resume:   # every rank writes shards there and may read them back
             check_shared_dir(Path(run.output_dir))
         # resolved once: ranks reading the pointer at different moments could pick different steps
-        tag = decide_on_rank0(lambda: resume_tag(root, c.resume)) if c.resume else None
+        # verified against its manifest; a broken one skipped for the newest intact one (auto/latest)
+        tag = select_resume_tag(root, c.resume, checksums=c.verify == "checksum", rank=info.rank,
+                                world_size=info.world_size) if c.resume else None
         if tag is None:
             prepare_fresh_root(root, run.checkpoint.overwrite, info.rank)
         # a tag of another world size loads through DeepSpeed's universal format, which the
@@ -167,7 +171,10 @@ class Trainer:
             bundle, trainable = apply_finetune(bundle, run.finetune, run.loss.name, checkpointing=ac)
             if ac:
                 apply_activation_checkpointing(bundle.model)
+        self.checkpoint_bytes = checkpoint_bytes(*param_counts(bundle.model), run.precision, run.bf16.master_weights,
+                                                 self.ds_config.get("zero_optimization", {}).get("stage", 0))
         if info.rank == 0:
+            self._check_space(root, tag)
             self._write_run_files()
             log.info("model %s | profile %s | precision %s | batch micro x accumulation x world = global: %s | "
                      "%.2fM parameters, trainable %s", bundle.source, self.profile.name, run.precision, batch,
@@ -217,7 +224,18 @@ class Trainer:
                          source=bundle.source)
         return Checkpointer(run.checkpoint, checkpoint_root(run.output_dir), rank=self.info.rank,
                             world_size=self.info.world_size, run_config=run.model_dump(mode="json"),
-                            write_extras=extras, kill_in_save_at=run.faults.inject_kill_in_save_at_step)
+                            write_extras=extras, kill_in_save_at=run.faults.inject_kill_in_save_at_step,
+                            enospc_in_save_at=run.faults.inject_enospc_in_save_at_step,
+                            enospc_rank=run.faults.inject_enospc_rank, expected_bytes=self.checkpoint_bytes)
+
+    def _check_space(self, root: Path, tag: str | None) -> None:
+        """Rank 0, at start-up: one warning when output_dir's file system cannot hold this run's
+        checkpoints at their peak (one checkpoint's estimated bytes x (keep_last + 1))."""
+        c, start = self.run.checkpoint, int(tag[4:]) if tag else 0
+        short = space_shortfall(Path(self.run.output_dir), self.checkpoint_bytes, c.keep_last,
+                                saves_in_run(c.every, c.at_end, self.run.steps, start), len(complete_tags(root)))
+        if short:
+            log.warning(short)
 
     def _guard(self) -> Guard:
         f = self.run.faults
@@ -249,6 +267,8 @@ class Trainer:
                            checkpointer=p.checkpointer, guard=p.guard, loader=p.loader,
                            resume=p.resume, stop_after=run.checkpoint.stop_after, metrics=metrics,
                            data_wait=DataWaitWatch(lg.data_wait_warn_fraction, lg.data_wait_warn_ratio))
+        except DiskFullError as err:   # raised by the checkpointer on every rank, with one message
+            raise DiskFull(str(err)) from None
         finally:
             reporter.close()
             metrics.close()

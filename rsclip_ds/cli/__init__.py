@@ -1,4 +1,4 @@
-"""`rsclip-ds` entry point: one module per command (train, eval, plan, export, data, info).
+"""`rsclip-ds` entry point: one module per command (train, eval, plan, export, checkpoint, data, leakage, info).
 
 Under the `deepspeed` launcher: `deepspeed --num_gpus N --module rsclip_ds train ...` (the
 launcher appends `--local_rank=N`; we accept and ignore it, LOCAL_RANK is in the environment).
@@ -12,8 +12,7 @@ import argparse
 import os
 import sys
 
-from rsclip_ds.cli import data, eval, export, info, plan, train
-from rsclip_ds.cli import leakage
+from rsclip_ds.cli import checkpoint, data, eval, export, info, leakage, plan, train
 from rsclip_ds.config import ConfigError
 
 def strip_local_rank(argv: list[str]) -> list[str]:
@@ -35,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser; each sub-command's handler is its `handler` default (module.register)."""
     parser = argparse.ArgumentParser(prog="rsclip-ds", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (train, eval, plan, export, data, info, leakage):
+    for module in (train, eval, plan, export, checkpoint, data, leakage, info):
         module.register(sub)
     return parser
 

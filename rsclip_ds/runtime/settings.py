@@ -49,12 +49,22 @@ class FaultConfig(Strict):
         None, description="FAULT INJECTION for tests, never set in real runs: the last rank SIGKILLs "
         "itself inside the checkpoint save of this step, after writing its shards and before the "
         "latest pointer moves.")
+    inject_enospc_in_save_at_step: Optional[int] = Field(
+        None, description="FAULT INJECTION for tests, never set in real runs: in the checkpoint save of "
+        "this step, rank `inject_enospc_rank`'s first file write fails with a real OSError(ENOSPC) after "
+        "4 KiB (a disk that fills during a save: exit code 6, DiskFull).")
+    inject_enospc_rank: Optional[int] = Field(
+        None, ge=0, description="FAULT INJECTION for tests: the rank `inject_enospc_in_save_at_step` "
+        "fails (default: the last rank, like the other injections).")
 
     @model_validator(mode="after")
     def _check(self) -> "FaultConfig":
         if self.inject_data_delay_rank is not None and self.inject_data_delay_s is None:
             raise ValueError("faults.inject_data_delay_rank is set without faults.inject_data_delay_s: "
                              "give the delay too, e.g. --set faults.inject_data_delay_s=0.2")
+        if self.inject_enospc_rank is not None and self.inject_enospc_in_save_at_step is None:
+            raise ValueError("faults.inject_enospc_rank is set without faults.inject_enospc_in_save_at_step: "
+                             "give the step too, e.g. --set faults.inject_enospc_in_save_at_step=8")
         return self
 
 

@@ -13,6 +13,10 @@ different moments and resume different steps. So:
   value, or rank 0's ConfigError.
 - `fsync_dir`: makes a rename durable; file systems that cannot fsync a folder (some FUSE and
   object-store mounts answer EINVAL or ENOTSUP) are tolerated with one log line.
+- `gather_on_every_rank`: every rank's small value on every rank (one all_gather_object): how the
+  ranks agree on the outcome of a save (a full disk on one rank) and of a verification.
+- `free_bytes`, `mount_of`, `is_no_space`: the free space of a folder's file system, which
+  file system that is, and whether an OSError means a full disk or quota (ENOSPC, EDQUOT).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import socket
 import time
 import uuid
@@ -77,6 +82,55 @@ def decide_on_rank0(decide: Callable[[], T]) -> T:
     if kind == "error":
         raise ConfigError(value)
     return value
+
+
+def gather_on_every_rank(value: T) -> list[T]:
+    """[rank 0's value, rank 1's, ...] on every rank (one all_gather_object; values must pickle);
+    without a process group: [value]. Every rank of the group must call it."""
+    if not _group():
+        return [value]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+# errno values of a write that found no room: the disk is full, or the user's quota is
+NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
+
+
+def is_no_space(err: BaseException) -> bool:
+    return isinstance(err, OSError) and err.errno in NO_SPACE
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent (a folder not made yet lives on its parent's disk)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still use on the file system holding ``path``."""
+    return shutil.disk_usage(_existing(path)).free
+
+
+def mount_of(path: Path) -> str:
+    """'DEVICE mounted at MOUNTPOINT' for the file system holding ``path`` (from /proc/self/mounts:
+    the longest mount point above it), or the path itself where the mount table cannot be read."""
+    real = os.path.realpath(_existing(path))
+    best = ("", "")
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                device, point = line.split()[:2]
+                point = point.replace("\\040", " ")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best[1]):
+                    best = (device, point)
+    except OSError:
+        pass
+    return f"{best[0]} mounted at {best[1]}" if best[1] else real
 
 
 def check_shared_dir(path: Path, wait_s: float = 10.0) -> None:

@@ -111,3 +111,50 @@ def test_a_signal_to_the_deepspeed_command_alone_saves_and_leaves_no_orphans(lau
     step = s["optimizer_steps"]
     assert s["stopped"] == "sigterm" and 4 <= step < 400
     assert read_pointer(out / "checkpoints") == tag_for(step)
+
+
+def test_a_full_disk_in_a_save_exits_6_and_a_truncated_newest_checkpoint_falls_back(launch_data, tmp_path):
+    """Rank 1's write of step 8's checkpoint fails with ENOSPC (the injection: a real OSError from
+    inside the write path): both ranks stop with one DiskFull message, exit 6, step 8 removed, the
+    pointer on step 6. Then step 6 is cut short too: `--resume auto` names the file, resumes from
+    step 4 and ends with the losses of the first run. Also: the start-up estimate of a
+    checkpoint's bytes against the real tag (tolerance below)."""
+    from rsclip_ds.checkpoint import weights_only_loads
+    from rsclip_ds.integrity import checkpoint_bytes
+    from rsclip_ds.reporting.metrics import read_metrics
+
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    proc = launch_run(launch_data, out, "checkpoint.every=2", "faults.inject_enospc_in_save_at_step=8")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 6, text[-4000:]
+    shard = root / "step00000008" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    assert text.count("rsclip-ds: DiskFull: checkpoint step00000008 not saved: rank 1 found no space left on device "
+                      f"(ENOSPC) writing {shard} (") == 1, text[-4000:]
+    assert "The incomplete step00000008 was removed; the newest intact checkpoint is step00000006" in text
+    assert "Traceback" not in text
+    assert read_pointer(root) == "step00000006" and not (root / "step00000008").exists()
+    # one checkpoint's bytes as estimated at start-up (16 per parameter in fp32 at ZeRO-2: the module
+    # once, fp32 masters + Adam moments over the ranks) against the tag's files: within 5 % (the
+    # rest is hf/, the RNG files, the history and DeepSpeed's headers: ~1 % here)
+    tag = root / "step00000006"
+    with weights_only_loads():
+        module = torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu")["module"]
+    params = sum(t.numel() for t in module.values() if t.is_floating_point())
+    real = sum(p.stat().st_size for p in tag.rglob("*") if p.is_file())
+    assert checkpoint_bytes(params, params, "fp32", "fp32", 2) == pytest.approx(real, rel=0.05)
+    first = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")["train"]}
+
+    cut = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    size = cut.stat().st_size
+    with open(cut, "r+b") as f:
+        f.truncate(1000)
+    proc = launch_run(launch_data, out, "checkpoint.every=2", extra=["--resume", "auto"])
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert (f"checkpoint step00000006 is broken: {cut}: 1,000 bytes, the manifest says {size:,} (truncated); "
+            f"resuming from step00000004, the newest intact checkpoint") in text
+    s = summary(out)
+    assert s["resumed_from"] == [4] and s["optimizer_steps"] == 8
+    assert s["losses"][5] == first[6] and s["losses"][7] == first[8]   # fp32 ZeRO-2 resumes bit for bit
+    assert read_pointer(root) == "step00000008"

@@ -1,0 +1,28 @@
+"""Sections of docs/results/faults.md: benchmarks/faults/ (the checkpoint manifest's checksum cost)."""
+
+from __future__ import annotations
+
+from benchmarks.results_tables.format import MiB, fix, pct, sig, table
+
+
+def checksum(files: dict) -> list[str]:
+    """Seconds per GiB of each hash (memory, warm file, cold file); the share of a save; per model."""
+    rep = files["checksum.json"]
+    rows = [[r["algorithm"], fix(r["memory_s_per_gib"], 3), fix(r["warm_file_s_per_gib"], 3),
+             fix(r["cold_file_s_per_gib"], 3)] for r in rep["hash"]]
+    out = [f"One core; a {sig(rep['config']['mib'])} MiB file of random bytes, best of {rep['config']['repeats']}. "
+           f"A plain cold read takes {fix(rep['read_cold_s_per_gib'], 3)} s/GiB: from a disk the read, not the "
+           "hash, is the cost (rsclip_ds uses xxh3_128).", ""]
+    out += table(["algorithm", "memory s/GiB", "warm file s/GiB", "cold file s/GiB"], rows)
+    saves = [("disk", rep["save"])] + ([("memory (/dev/shm)", rep["save_in_memory"])] if rep.get("save_in_memory") else [])
+    out += ["A save of the same size (fp32 tensors, torch.save, then fsync):", ""]
+    out += table(["into", "torch.save(path) s", "to a file object s", "hashed on the way s", "hashed over file object"],
+                 [[where, fix(s["plain_s"], 3), fix(s["file_object_s"], 3), fix(s["hashed_s"], 3),
+                   pct(s["added_fraction"], 1)] for where, s in saves])
+    models = [[r["model"], sig(r["params"]), sig(r["checkpoint_bytes"] / MiB),
+               fix(r["save_s"], 3) + ("" if r["measured"] else " (scaled)"), sig(r["hash_cpu_s"], 2),
+               pct(r["hash_cpu_fraction"], 1), fix(r["verify_s"], 3)] for r in rep["models"]]
+    out += ["One checkpoint (fp32, ZeRO-2; bytes from `integrity.checkpoint_bytes`): the save, the checksum's CPU "
+            "time on it (xxh3_128 from memory) and a resume's verification (cold read + hash):", ""]
+    return out + table(["model", "parameters", "checkpoint MiB", "save s", "checksum CPU s", "share of the save",
+                        "verify s"], models)
