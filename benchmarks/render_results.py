@@ -102,6 +102,9 @@ THROUGHPUT = (
     Family("throughput-openclip", "Throughput against open_clip's own trainer", throughput.throughput_openclip, (
         Source("throughput_openclip.json",
                py("throughput.compare", f"{OPENCLIP} --out {R}/throughput_openclip.json")),)),
+    Family("patch-dropout", "Patch dropout 0 / 0.5 / 0.75: samples/s, activations, quality at equal compute",
+           throughput.patch_dropout, (
+               Source("patch_dropout.json", ds(2, "throughput.patch_dropout", f"--out {R}/patch_dropout.json")),)),
     Family("gpu", "One GPU: samples/s, MFU, peak memory", throughput.gpu, (
         Source("gpu_h200.json", py("gpu", f"--out {R}/gpu_h200.json")),
         Source("gpu_h200_loader.json", py("gpu", f"--profiles zero2 --ac off --data tensor loader "

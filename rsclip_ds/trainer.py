@@ -41,6 +41,7 @@ from rsclip_ds.runtime.host_memory import keep_freed_memory
 from rsclip_ds.hub import check_source, resolve_source_per_node
 from rsclip_ds.losses import build_loss
 from rsclip_ds.model import ModelBundle, apply_activation_checkpointing, build_model
+from rsclip_ds.patch_dropout import PatchDropoutSwitch, apply_patch_dropout
 from rsclip_ds.profiles import (BatchSizes, Profile, activation_checkpointing_enabled, build_ds_config,
                                 derive_batch, load_profile, scaled_lr)
 from rsclip_ds.reporting.curves import plot_curves
@@ -171,6 +172,7 @@ class Trainer:
             bundle, trainable = apply_finetune(bundle, run.finetune, run.loss.name, checkpointing=ac)
             if ac:
                 apply_activation_checkpointing(bundle.model)
+            dropout = apply_patch_dropout(bundle.model, run.model.patch_dropout)
         self.checkpoint_bytes = checkpoint_bytes(*param_counts(bundle.model), run.precision, run.bf16.master_weights,
                                                  self.ds_config.get("zero_optimization", {}).get("stage", 0))
         if info.rank == 0:
@@ -183,6 +185,8 @@ class Trainer:
         with self._phase("eval_sets"):
             eval_hook = build_eval_hook(run, bundle, info.rank, info.world_size)  # reads the eval sets now
         hooks = self.extra_hooks + ([eval_hook] if eval_hook else [])
+        switch = dropout and PatchDropoutSwitch(dropout, run.steps, run.model.patch_dropout_off_last_steps, info.rank)
+        hooks += [switch] if switch else []
         groups = param_groups(bundle.model, run.optim, lr_factor=scaled_lr(run, info.world_size) / run.optim.lr)
         o = run.optim
         with self._phase("engine"):
@@ -198,6 +202,8 @@ class Trainer:
                 resume = checkpointer.load(engine, tag)
             if resume is None and run.precision != "fp32" and bundle.source and bundle.source.folder:
                 set_fp32_masters(engine, Path(bundle.source.folder))   # not rounded to the 16-bit dtype
+            if switch and resume:   # the loop runs hooks at step 0 of a fresh run only
+                switch(resume["step"])
         with self._phase("loader"):
             loader = self.loader if self.loader is not None else build_train_loader(
                 run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,

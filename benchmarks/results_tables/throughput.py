@@ -102,3 +102,26 @@ def gpu(files: dict) -> list[str]:
         out += [f"`{name}` ({', '.join(devices) or 'no case ran'}, {rep['config']['precision']}, one rank):", ""]
         out += _gpu_cases(rep)
     return out
+
+
+def patch_dropout(files: dict) -> list[str]:
+    """A row per patch-dropout fraction: samples/s and its ratio to p = 0, FLOPs and activation bytes
+    (measured on the CPU beside the planner's estimate), and quality after the same matmul FLOPs."""
+    rep = files["patch_dropout.json"]
+    c = rep["config"]
+    out = [f"{c['model']}; `{c['profile']}`, {c['precision']}, micro {c['micro']} per rank x "
+           f"{rep['environment']['world_size']} ranks; {c['data']}. Samples/s over the masked steps after step 1; "
+           f"activations: bytes per sample saved for backward by both towers; quality after the matmul FLOPs of "
+           f"{c['steps_p0']} unmasked steps (a masked run's last {c['tail']} steps unmasked), evaluated on every "
+           "patch:", ""]
+    rows = [[fix(r["patch_dropout"]), sig(r["samples_per_s"]), fix(r["samples_per_s_ratio"]), fix(r["flops_ratio"]),
+             f"{sig(r['measured_activation_bytes']['both'] / 2**20)} / "
+             f"{sig(sum(r['planned_activation_bytes'].values()) / 2**20)}",
+             f"{fix(r['activation_ratio'])} / {fix(r['planned_activation_ratio'])}", r["steps"],
+             fix(r["final_train_loss"], 3), pct(r["zero_shot_top1"], 1), pct(r["retrieval_mean_recall"], 1)]
+            for r in rep["rows"]]
+    out += table(["p", "samples/s", "samples/s ratio", "FLOPs ratio", "activation MiB measured / planned",
+                  "activation ratio measured / planned", "steps", "train loss (last 3)", "zero-shot top-1",
+                  "retrieval mean recall"], rows)
+    chance = rep["rows"][0]["chance_zero_shot_top1"] if rep["rows"] else None
+    return out + [f"Zero-shot top-1 of the untrained model (step 0): {pct(chance, 1)}.", ""]

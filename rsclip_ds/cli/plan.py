@@ -68,7 +68,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="finetune.KEY=VALUE",
                    help="fine-tuning controls, as for `rsclip-ds train` (locked towers and LoRA have no "
                    "gradients or optimizer states for their frozen weights), e.g. --set finetune.lock_image=true "
-                   "or --set 'finetune.lora.towers=[image,text]'")
+                   "or --set 'finetune.lora.towers=[image,text]'; and model.patch_dropout (the image tower's "
+                   "FLOPs and activations on the kept patches), e.g. --set model.patch_dropout=0.5")
     p.add_argument("--json", action="store_true", help="print rows and the recommendation as JSON")
     p.add_argument("--write-config", type=Path, metavar="PATH",
                    help="write the recommended row's resolved DeepSpeed JSON here and print the launch command")
@@ -86,14 +87,14 @@ def _overrides(row, args) -> list[str]:
               if args.communication_data_type != "auto" else []), *args.set]
 
 
-def _finetune(args):
-    """The --set fine-tuning controls, validated as the run config validates them."""
+def _plan_config(args):
+    """The --set fine-tuning controls and patch dropout, validated as the run config validates them."""
     from rsclip_ds.config import load_config
 
-    wrong = [s for s in args.set if not s.startswith("finetune.")]
+    wrong = [s for s in args.set if not s.startswith(("finetune.", "model.patch_dropout="))]
     if wrong:
-        raise ConfigError(f"rsclip-ds plan --set takes finetune.* keys only, not {wrong}")
-    return load_config(None, args.set).finetune
+        raise ConfigError(f"rsclip-ds plan --set takes finetune.* keys and model.patch_dropout only, not {wrong}")
+    return load_config(None, args.set)
 
 
 def launch_command(row, args, gpus_per_node: int, nodes: int) -> str:
@@ -149,16 +150,19 @@ def run(args) -> int:
 def _run(args):
     """Makes the plan; prints the table (returns 0), or returns the JSON document (--json)."""
     from rsclip_ds.planning import comms
+    from rsclip_ds.planning.dropout import with_patch_dropout
     from rsclip_ds.planning.memory import preset_spec, scaled_spec
     from rsclip_ds.planning.planner import Budget, Hardware, plan, recommend
     from rsclip_ds.profiles import available_profiles
 
-    finetune = _finetune(args)
+    run_config = _plan_config(args)
+    finetune = run_config.finetune
     if args.params and args.set:
         raise ConfigError("--set finetune.* needs a --model preset (a --params model has no towers to lock)")
     if args.master_weights != "fp32" and args.precision != "bf16":
         raise ConfigError(f"--master-weights {args.master_weights} applies to --precision bf16 only")
     spec = scaled_spec(args.params) if args.params else preset_spec(args.model, finetune)
+    spec = with_patch_dropout(spec, run_config.model.patch_dropout)
     budget = Budget(args.gpus, args.nodes, parse_bytes(args.gpu_mem),
                     parse_bytes(args.cpu_mem) if args.cpu_mem else None)
     try:

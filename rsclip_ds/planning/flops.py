@@ -15,6 +15,8 @@ of width d, MLP width f, per encoder layer:
 vision: n = (image_size / patch)^2, plus the patch embedding (a conv = a matmul of n patches
 of 3 p^2 values with d filters: 2 n (3 p^2) d) and the attention-pooling head (one probe
 query: q 2 d^2, k and v 2 x 2 n d^2, scores and weights @ V 2 x 2 n d, out 2 d^2, MLP 4 d f).
+With patch dropout (a planning config's `patch_dropout`, planning/dropout.py) the layers and the
+head see the kept n' = round((1 - p) n) tokens; the patch embedding all n.
 text: n = max_position_embeddings (SigLIP pads every caption to it), plus the head
 Linear(d, projection_size) on the pooled token: 2 d P.
 """
@@ -22,6 +24,9 @@ Linear(d, projection_size) on the pooled token: 2 d P.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+from rsclip_ds.patch_dropout import kept_tokens
+from rsclip_ds.planning.dropout import patch_dropout_of
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,8 @@ def vision_flops(cfg) -> TowerFlops:
     """Per-sample forward FLOPs of a SiglipVisionConfig."""
     d, f, p = cfg.hidden_size, cfg.intermediate_size, cfg.patch_size
     n = (cfg.image_size // p) ** 2
-    embed = 2 * n * (cfg.num_channels * p * p) * d
+    embed = 2 * n * (cfg.num_channels * p * p) * d   # every patch, before patch dropout
+    n = kept_tokens(n, patch_dropout_of(cfg))       # what the encoder and the head see
     layers = cfg.num_hidden_layers * encoder_layer_flops(n, d, f)
     head = 0
     if getattr(cfg, "vision_use_head", True):

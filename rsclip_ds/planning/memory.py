@@ -62,8 +62,7 @@ FRAGMENTATION = 0.10
 # Per GPU, outside PyTorch's allocated bytes: the CUDA context and kernels (~0.5 GiB with torch
 # 2.x on H100/H200-class GPUs), NCCL's communicators and buffers (~0.3-0.5 GiB), cuBLAS workspaces.
 RESERVE = GiB
-# ZeRO-3's stage3_param_persistence_threshold in DeepSpeed and in our profiles: smaller parameters
-# stay gathered on every rank
+# ZeRO-3's stage3_param_persistence_threshold (DeepSpeed's and our profiles'): smaller parameters stay gathered
 PERSISTENCE_THRESHOLD = 100_000
 # torch's AdamW temporaries of the size of one (flat) partition: foreach on a GPU, per tensor on CPU
 ADAM_TEMPORARIES = {"cuda": 1, "cpu": 2}
@@ -245,9 +244,10 @@ def _probe(config_json: str, precision: str, checkpointing: bool, samples: int,
 
     from rsclip_ds.finetune import keep_checkpointed_inputs_differentiable
     from rsclip_ds.model import apply_activation_checkpointing
+    from rsclip_ds.planning.dropout import planned_patch_dropout
 
-    config = SiglipConfig.from_dict(json.loads(config_json))
-    model = _meta_model(config, finetune_json).to(DTYPES[precision]).train()
+    config = SiglipConfig.from_dict(json.loads(config_json))   # + the image tower's planned patch dropout:
+    model = planned_patch_dropout(_meta_model(config, finetune_json), config).to(DTYPES[precision]).train()
     if checkpointing:
         if finetune_json != "{}":
             keep_checkpointed_inputs_differentiable(model)
