@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.results_tables import comms, data, memory, throughput, training
+from benchmarks.results_tables import chaos, comms, data, memory, throughput, training
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -171,12 +171,18 @@ TRAINING = (
         Source("pure_bf16.json", ds(2, "precision.pure_bf16", f"--out {R}/pure_bf16.json")),)),
 )
 
+FAULTS = (
+    Family("faults-chaos", "Chaos: each fault, then --resume auto to the end", chaos.faults_chaos, (
+        Source("faults_chaos.json", py("faults.chaos", f"--out {R}/faults_chaos.json")),)),
+)
+
 PAGES = (
     Page("throughput.md", "Throughput", "`benchmarks/throughput/`, `benchmarks/gpu.py`", THROUGHPUT),
     Page("memory.md", "Memory", "`benchmarks/memory/`", MEMORY),
     Page("data.md", "Data", "`benchmarks/data/`", DATA),
     Page("comms.md", "Communication", "`benchmarks/comms/`", COMMS),
     Page("training.md", "Losses and precision", "`benchmarks/loss/`, `benchmarks/precision/`", TRAINING),
+    Page("faults.md", "Faults", "`benchmarks/faults/`", FAULTS),
 )
 FAMILIES = tuple(f for page in PAGES for f in page.families)
 

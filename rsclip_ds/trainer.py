@@ -136,6 +136,7 @@ class Trainer:
         # one rank's error reaches every rank as itself, through the heartbeat's keys (rank_errors.py)
         self.errors = RankErrors(self.info.rank, self.info.world_size, interval=f.heartbeat_s,
                                  store_factory=default_store, timeout=f.peer_timeout_s)
+        self.stop.failing = self.errors.claimed
         self.heartbeat = Heartbeat(self.info.rank, self.info.world_size, interval=f.heartbeat_s,
                                    timeout=f.peer_timeout_s, stopping=self.stop, errors=self.errors).start()
         self._stop_asked = False   # this rank asked for an agreed stop (its loader worker died)

@@ -188,6 +188,10 @@ class RankErrors:
         """True for the first caller in this process: that one reports and ends the process."""
         return self._claim.acquire(blocking=False)
 
+    def claimed(self) -> bool:
+        """Whether this process is reporting a failure (its own or a peer's)."""
+        return self._claim.locked()
+
     def store(self):
         if self._store is None:
             self._store = self.store_factory(self.timeout)
