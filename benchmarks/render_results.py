@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.results_tables import comms, data, faults, memory, throughput, training
+from benchmarks.results_tables import chaos, comms, data, faults, memory, throughput, training
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -179,6 +179,8 @@ TRAINING = (
 FAULTS = (
     Family("checksum", "Checkpoint manifest: checksum cost per GiB and per save", faults.checksum, (
         Source("checksum.json", py("faults.checksum", f"--out {R}/checksum.json")),)),
+    Family("faults-chaos", "Chaos: each fault, then --resume auto to the end", chaos.faults_chaos, (
+        Source("faults_chaos.json", py("faults.chaos", f"--out {R}/faults_chaos.json")),)),
 )
 
 PAGES = (

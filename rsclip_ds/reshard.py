@@ -31,7 +31,7 @@ import torch
 from rsclip_ds.checkpoint import (HISTORY, RANK_FILE, UNIVERSAL_DIR, UNIVERSAL_DONE, Checkpointer, _atomic_write,
                                   _safe_globals, load_meta, resume_tag, weights_only_loads)
 from rsclip_ds.config import ConfigError
-from rsclip_ds.runtime.storage import fsync_dir
+from rsclip_ds.runtime.storage import decide_on_rank0, fsync_dir
 
 log = logging.getLogger("rsclip_ds")
 
@@ -42,8 +42,6 @@ def load_resharded(checkpointer: Checkpointer, engine, resume: str) -> dict[str,
     Rank 0 converts the tag to DeepSpeed's universal format (once; a complete conversion is
     reused), then every rank loads its new partition from it. The engine must have been built
     from universal_ds_config."""
-    import torch.distributed as dist
-
     ck = checkpointer
     tag = resume_tag(ck.root, resume)
     if tag is None:
@@ -53,8 +51,7 @@ def load_resharded(checkpointer: Checkpointer, engine, resume: str) -> dict[str,
         raise ConfigError(f"checkpoint {tag} was written by {saved_world} ranks, this run has {ck.world_size}: "
                           f"build the engine from universal_ds_config(...) to load it through DeepSpeed's "
                           f"universal format (Trainer.build does)")
-    seconds = convert_to_universal(ck.root, tag) if ck.rank == 0 else 0.0
-    dist.barrier()   # the conversion is on disk before any rank reads it
+    seconds = convert_on_rank0(ck.root, tag, saved_world, ck.world_size)   # on disk before any rank reads it
     folder = ck.root / tag / UNIVERSAL_DIR
     with weights_only_loads():
         path, client = engine.load_checkpoint(str(folder.parent), tag=folder.name)
@@ -68,6 +65,23 @@ def load_resharded(checkpointer: Checkpointer, engine, resume: str) -> dict[str,
         log.info("resumed step %d written by %d ranks on %d ranks (universal checkpoint, %s) from %s",
                  step, saved_world, ck.world_size, how, folder)
     return resharded_client_state(ck.root / tag, saved_world, ck.rank, step, ck.run_config.get("seed", 0))
+
+
+def convert_on_rank0(root: Path, tag: str, saved_world: int, world_size: int) -> float:
+    """convert_to_universal on rank 0 while the others wait -> rank 0's seconds, on every rank. A
+    conversion that fails stops every rank at once with rank 0's error (a ConfigError naming the
+    cause and the ways on), instead of leaving the others in a barrier until DEEPSPEED_TIMEOUT."""
+    def convert() -> float:
+        try:
+            return convert_to_universal(root, tag)
+        except Exception as err:   # noqa: BLE001 -- any failure: the checkpoint cannot be resharded
+            first = (str(err).strip().splitlines() or [""])[0].split(". ")[0]   # its first sentence
+            raise ConfigError(
+                f"rank 0 could not convert checkpoint {tag} (written by {saved_world} ranks) to DeepSpeed's universal "
+                f"format for this run's {world_size} ranks: {type(err).__name__}: {first[:300]}. A checkpoint file "
+                f"may be damaged or cut short (a full disk, a copy that stopped): resume it on {saved_world} ranks, "
+                f"which needs no conversion, or an earlier tag (--resume stepNNNNNNNN)") from err
+    return decide_on_rank0(convert)
 
 
 def universal_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:

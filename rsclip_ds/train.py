@@ -14,11 +14,13 @@ import torch
 import torch.distributed as dist
 
 from rsclip_ds.checkpoint import tag_for
+from rsclip_ds.data.workers import LoaderWorkerDied  # noqa: F401 -- exit code 7, raised by the loader and the Trainer
 from rsclip_ds.engine import engine_dtype, loss_scale
 from rsclip_ds.profiles import BatchSizes
 from rsclip_ds.reporting.load import DataWaitWatch, LoadWindow, TimedBatches, add_to_totals, peak_memory, rank_record
 from rsclip_ds.reporting.metrics import MetricsLog
 from rsclip_ds.reporting.progress import ProgressReporter
+from rsclip_ds.runtime.rank_errors import PeerFailed, RunStopped  # noqa: F401 -- the run's stop classes, here
 
 log = logging.getLogger("rsclip_ds")
 
@@ -148,21 +150,25 @@ class TrainResult:
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
-class RunStopped(RuntimeError):
-    """The run ended early on purpose; `exit_code` is the process exit status (docs/guides/checkpoints.md)."""
-    exit_code = 1
-
-
+# RunStopped (runtime/rank_errors.py) and its kin: each carries its exit code (docs/reference/exit-codes.md).
+# `shared`: every rank raises it at the same sync point; `said_by_rank0`: with the same text, said once.
 class NonFiniteLoss(RunStopped):
     exit_code = 3
+    shared = said_by_rank0 = True    # the losses are all-reduced: every rank sees the same run
 
 
 class Preempted(RunStopped):
     exit_code = 75   # EX_TEMPFAIL: try again (with --resume latest)
+    shared = said_by_rank0 = True    # agreed at a sync point
+
+
+class InjectedError(RuntimeError):
+    """faults.inject_error_at_step: an error of no known kind (its traceback is shown, exit 1)."""
 
 
 class DiskFull(RunStopped):
     exit_code = 6    # a checkpoint save found no room (ENOSPC/EDQUOT): the message names the intact tag
+    shared = said_by_rank0 = True    # every rank raises rank 0's message after the save's all-gather
 
 
 @dataclass
@@ -180,6 +186,9 @@ class Guard:
     inject_freeze_at_step: int | None = None
     inject_data_delay_s: float | None = None
     inject_data_delay_rank: int | None = None           # None: the last rank
+    inject_error_at_step: int | None = None
+    inject_worker_kill_at_step: int | None = None
+    inject_rank: int | None = None                      # of the two above; None: the last rank
 
     def delayed(self, batches: Iterator[dict], rank: int, world_size: int) -> Iterator[dict]:
         """The batches, each handed over `inject_data_delay_s` late on the chosen rank (a slow loader)."""
@@ -194,7 +203,17 @@ class Guard:
                 yield batch
         return slow()
 
-    def before_step(self, step: int, rank: int, world_size: int) -> None:
+    def before_step(self, step: int, rank: int, world_size: int, loader=None) -> None:
+        target = world_size - 1 if self.inject_rank is None else self.inject_rank
+        if rank == target and step == self.inject_error_at_step:
+            log.warning("fault injection: rank %d raises InjectedError at step %d", rank, step)
+            raise InjectedError(f"fault injection: rank {rank} raises at step {step} (faults.inject_error_at_step)")
+        if rank == target and step == self.inject_worker_kill_at_step:
+            pids = loader.worker_pids() if hasattr(loader, "worker_pids") else []
+            if not pids:
+                raise InjectedError(f"faults.inject_worker_kill_at_step={step}: rank {rank} has no DataLoader worker")
+            log.warning("fault injection: rank %d SIGKILLs its DataLoader worker (pid %d) at step %d", rank, pids[0], step)
+            os.kill(pids[0], signal.SIGKILL)
         if rank != world_size - 1:
             return
         for at, sig in ((self.inject_kill_at_step, signal.SIGKILL), (self.inject_freeze_at_step, signal.SIGSTOP)):
@@ -314,7 +333,7 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
     last_line = start
     t_loop = time.perf_counter()
     for step in range(start + 1, last + 1):
-        guard.before_step(step, rank, world)
+        guard.before_step(step, rank, world, loader)
         result.lrs.append(float(engine.get_lr()[0]))
         loss = optimizer_step(engine, batches, loss_fn, sizes, accumulation, dtype)
         pending.append(guard.loss_hook(step, loss, rank))

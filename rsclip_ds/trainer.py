@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rsclip_ds.checkpoint import (Checkpointer, checkpoint_root, complete_tags, prepare_fresh_root,
-                                  select_resume_tag, write_hf_extras)
+                                  select_resume_tag, tag_for, write_hf_extras)
 from rsclip_ds.config import ConfigError, RunConfig
 from rsclip_ds.data import build_train_loader, check_shared_memory, expand_urls
 from rsclip_ds.data.loader import available_cores
@@ -36,7 +36,8 @@ from rsclip_ds.runtime.distributed import (DistInfo, StopFlag, accelerator_is_gp
 from rsclip_ds.engine import build_engine, lr_scheduler, set_fp32_masters
 from rsclip_ds.evaluation.hook import build_eval_hook
 from rsclip_ds.finetune import apply_finetune, param_groups
-from rsclip_ds.runtime.heartbeat import Heartbeat
+from rsclip_ds.runtime.heartbeat import Heartbeat, default_store
+from rsclip_ds.runtime.rank_errors import PeerFailed, RankError, RankErrors
 from rsclip_ds.runtime.host_memory import keep_freed_memory
 from rsclip_ds.hub import check_source, resolve_source_per_node
 from rsclip_ds.losses import build_loss
@@ -52,7 +53,7 @@ from rsclip_ds.reporting.summary import build_summary, print_summary, write_summ
 from rsclip_ds.reshard import load_resharded, needs_universal, universal_ds_config
 from rsclip_ds.runtime.storage import check_shared_dir
 from rsclip_ds.integrity import DiskFullError, checkpoint_bytes, param_counts, saves_in_run, space_shortfall
-from rsclip_ds.train import DiskFull, Guard, Preempted, TrainResult, train
+from rsclip_ds.train import DiskFull, Guard, LoaderWorkerDied, Preempted, TrainResult, train
 
 log = logging.getLogger("rsclip_ds")
 Hook = Callable[[int, Any], "dict | None"]
@@ -65,10 +66,13 @@ def check_run(run: RunConfig, *, shards: bool = True) -> tuple[Profile, dict]:
     profile = load_profile(run.profile)
     ds_config = build_ds_config(run, profile, world_size_from_env(), on_gpu=accelerator_is_gpu())
     check_source(run.model)
-    delay_rank = run.faults.inject_data_delay_rank
-    if delay_rank is not None and delay_rank >= world_size_from_env():
-        raise ConfigError(f"faults.inject_data_delay_rank={delay_rank}, but the run has {world_size_from_env()} "
-                          f"rank(s): name a rank below that")
+    for key in ("inject_data_delay_rank", "inject_rank"):
+        rank = getattr(run.faults, key)
+        if rank is not None and rank >= world_size_from_env():
+            raise ConfigError(f"faults.{key}={rank}, but the run has {world_size_from_env()} rank(s): name a rank "
+                              f"below that")
+    if run.faults.inject_worker_kill_at_step and run.data.num_workers == 0:
+        raise ConfigError("faults.inject_worker_kill_at_step needs a DataLoader worker: set data.num_workers >= 1")
     if not shards:
         return profile, ds_config
     if not run.data.train_shards:
@@ -131,17 +135,27 @@ class Trainer:
         with self._phase("process_group"):
             self.info = init_distributed()
         f = self.run.faults
+        # one rank's error reaches every rank as itself, through the heartbeat's keys (rank_errors.py)
+        self.errors = RankErrors(self.info.rank, self.info.world_size, interval=f.heartbeat_s,
+                                 store_factory=default_store, timeout=f.peer_timeout_s)
+        self.stop.failing = self.errors.claimed
         self.heartbeat = Heartbeat(self.info.rank, self.info.world_size, interval=f.heartbeat_s,
-                                   timeout=f.peer_timeout_s, stopping=self.stop).start()
+                                   timeout=f.peer_timeout_s, stopping=self.stop, errors=self.errors).start()
+        self._stop_asked = False   # this rank asked for an agreed stop (its loader worker died)
         configure_logging(self.info.rank)
         if self.run.logging.wandb:
             configure_wandb_offline(Path(self.run.output_dir) / "monitor")
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.heartbeat.close()
-        if self._owns_group:
-            destroy_distributed()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """On an error: said once and told to every rank (RankErrors.fail) before the group goes."""
+        try:
+            if isinstance(exc, Exception):
+                self.errors.fail(exc)
+        finally:
+            self.heartbeat.close()
+            if self._owns_group:
+                destroy_distributed()
 
     # ---- assembly
     def build(self) -> Parts:
@@ -212,6 +226,8 @@ class Trainer:
                 state=resume["data"] if resume else None, pin_memory=info.on_gpu, cache_dir=run.output_dir)
             if self.loader is None:   # its workers hand batches over /dev/shm: fail now, not with SIGBUS later
                 check_shared_memory(loader, held=batch.accumulation, local_ranks=info.local_world_size)
+            if hasattr(loader, "on_worker_death"):   # a dead worker: an agreed stop with a checkpoint
+                loader.on_worker_death = self._worker_died
         threads, why = set_threads_per_rank(run.distributed.threads_per_rank, available_cores(),
                                             info.local_world_size, getattr(loader, "num_workers", 0))
         if info.rank == 0:
@@ -245,11 +261,18 @@ class Trainer:
 
     def _guard(self) -> Guard:
         f = self.run.faults
-        return Guard(stop_requested=self.stop, stop_check_every=f.stop_check_every,
+        return Guard(stop_requested=lambda: self.stop() or self._stop_asked, stop_check_every=f.stop_check_every,
                      max_nonfinite_steps=f.max_nonfinite_steps, check_nonfinite=self.run.precision != "fp16",
                      inject_nan_at_step=f.inject_nan_at_step, inject_kill_at_step=f.inject_kill_at_step,
                      inject_freeze_at_step=f.inject_freeze_at_step, inject_data_delay_s=f.inject_data_delay_s,
-                     inject_data_delay_rank=f.inject_data_delay_rank)
+                     inject_data_delay_rank=f.inject_data_delay_rank, inject_error_at_step=f.inject_error_at_step,
+                     inject_worker_kill_at_step=f.inject_worker_kill_at_step, inject_rank=f.inject_rank)
+
+    def _worker_died(self, message: str) -> None:
+        """The loader's callback: one of this rank's workers died (and was replaced at the same data
+        position). Ask every rank to stop at the next sync point, saying why (rank_errors.STOP_KEY)."""
+        self.errors.publish_stop(RankError(self.info.rank, LoaderWorkerDied.exit_code, "LoaderWorkerDied", message))
+        self._stop_asked = True
 
     def _write_run_files(self) -> None:
         out = Path(self.run.output_dir)
@@ -279,12 +302,27 @@ class Trainer:
             reporter.close()
             metrics.close()
         self.startup["first_step"] = result.first_step_s   # loader workers start, first batch, lazy init
+        reason = self.errors.stop_reason() if result.stopped else None   # None: SIGTERM
+        if reason is not None:
+            result.stopped = "loader_worker_died"
         summary = self._finish(result) if rank == 0 else None
         if result.stopped:
-            raise Preempted(f"stopped by SIGTERM after step {len(result.losses)}; checkpoint "
-                            f"{result.checkpoints[-1] if result.checkpoints else '(none)'} saved; continue "
-                            f"with `rsclip-ds train ... --resume latest`")
+            raise self._stopped(result, reason)
         return summary
+
+    def _stopped(self, result: TrainResult, reason: RankError | None) -> Exception:
+        """The error an agreed stop ends in: Preempted (SIGTERM), or the loader death of a rank."""
+        step = len(result.losses)
+        saved = result.checkpoints[-1] if result.checkpoints and result.checkpoints[-1] == tag_for(step) else None
+        if reason is None:
+            return Preempted(f"stopped by SIGTERM after step {step}; checkpoint {saved or '(none)'} saved; continue "
+                             f"with `rsclip-ds train ... --resume latest`")
+        tail = (f". Checkpoint {saved} saved at the agreed stop after step {step}" if saved else
+                f". No checkpoint saved at the stop after step {step} (checkpoints off, or a loss since the last "
+                f"sync not finite)") + "; continue with `rsclip-ds train ... --resume latest`"
+        if reason.rank == self.info.rank:
+            return LoaderWorkerDied(reason.message + tail, shared=True)
+        return PeerFailed(reason, tail)
 
     def _finish(self, result: TrainResult) -> dict:
         """Rank 0 writes and prints the summary and draws the curves."""

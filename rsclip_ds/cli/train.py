@@ -1,13 +1,14 @@
 """`rsclip-ds train`: parse, load the config, hand it to the Trainer, map outcomes to exit codes.
 
-Exit codes (docs/reference/exit-codes.md): 0 done, 2 bad config, 3 non-finite loss, 4 a rank died (from
-the heartbeat thread), 5 too much bad data, 6 a checkpoint save found the disk full (DiskFull), 75
-stopped by SIGTERM after saving a checkpoint.
+Exit codes (docs/reference/exit-codes.md): 0 done, 1 an error of no known kind, 2 bad config, 3 non-finite
+loss, 4 a rank died (from the heartbeat thread), 5 too much bad data, 6 a checkpoint save found
+the disk full (DiskFull), 7 a DataLoader worker died, 75
+stopped by SIGTERM after saving a checkpoint. An error inside the run was already said, once, by the
+Trainer's error path (runtime/rank_errors.py), which every rank leaves with the failing rank's code.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 
 from rsclip_ds.config import load_config
@@ -30,19 +31,20 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from rsclip_ds.data import DataError
-    from rsclip_ds.train import DiskFull, RunStopped
+    from rsclip_ds.config import ConfigError
+    from rsclip_ds.runtime.rank_errors import failure_of
     from rsclip_ds.trainer import run_training
 
     resume = [f"checkpoint.resume={args.resume}"] if args.resume else []
+    run_config = load_config(args.config, args.set + resume)
     try:
-        run_training(load_config(args.config, args.set + resume))
-    except RunStopped as err:
-        # DiskFull: every rank raises rank 0's message; rank 0 says it
-        if not isinstance(err, DiskFull) or os.environ.get("RANK", "0") == "0":
-            print(f"rsclip-ds: {type(err).__name__}: {err}", file=sys.stderr)
-        return err.exit_code
-    except DataError as err:
-        print(f"rsclip-ds: DataError: {err}", file=sys.stderr)
-        return 5
+        run_training(run_config)
+    except Exception as err:
+        failure = failure_of(err)
+        if failure.reported:       # said once (or by the failing rank), told to every rank
+            return failure.code
+        if isinstance(err, ConfigError) or not failure.known:
+            raise                  # before the process group: cli.main says it; else the traceback
+        print(f"rsclip-ds: {failure.line}", file=sys.stderr)
+        return failure.code
     return 0

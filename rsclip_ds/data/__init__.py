@@ -8,6 +8,8 @@
     where.py         the row filter language (make-shards --where, data.where)
     filter_counts.py the samples data.where keeps per shard, counted at start-up ('exact')
     loader.py        the streams, the DataLoader, resumable position: build_train_loader
+    shm.py           /dev/shm: what the workers' batches in flight need, the start-up check
+    workers.py       a worker that dies: named, replaced at the same position, LoaderWorkerDied (exit 7)
     remap.py         a saved position continued on another number of ranks (workers, micro batch)
     tokenizer.py     training a caption tokenizer; tokenize()
     shard_writer.py  caption datasets as users have them -> shards + index (make-shards)
@@ -18,8 +20,8 @@ Full guide: docs/guides/data.md.
 """
 
 from rsclip_ds.data.bad import BAD_KINDS, DataError, StreamCounter
-from rsclip_ds.data.loader import (TrainLoader, auto_num_workers, build_train_loader, check_shared_memory,
-                                   shared_memory_need)
+from rsclip_ds.data.loader import TrainLoader, auto_num_workers, build_train_loader
+from rsclip_ds.data.shm import check_shared_memory, shared_memory_need
 from rsclip_ds.data.schedule import EpochSchedule, build_epoch_schedule
 from rsclip_ds.data.sources import expand_sources, expand_urls, shard_counts, shard_counts_from_rank0
 from rsclip_ds.data.tar import read_shard

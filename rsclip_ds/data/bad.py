@@ -18,6 +18,7 @@ BAD_KINDS = SHARD_KINDS + SAMPLE_KINDS + FILTER_KINDS
 
 class DataError(RuntimeError):
     """The training data is too broken to go on (see data.max_bad_fraction)."""
+    exit_code = 5   # docs/reference/exit-codes.md
 
 
 

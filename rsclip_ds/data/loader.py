@@ -21,7 +21,8 @@ More than ``data.max_bad_fraction`` bad samples or shards stops the run with ``D
 
 Workers and shared memory. ``data.num_workers=auto`` shares the node's cores among its ranks
 (auto_num_workers); worker batches travel through /dev/shm, whose free space the Trainer checks
-at start-up against what the loaders of the node can hold (check_shared_memory).
+at start-up against what the loaders of the node can hold (check_shared_memory, shm.py). A worker
+that dies (the OOM killer's SIGKILL) is named and replaced at the same position (workers.py).
 
 Resume. ``loader.state_dict()`` is the position after the last batch handed to the trainer
 (not after the batches the workers prefetched): per worker the epoch, the samples taken from its
@@ -35,10 +36,8 @@ number of ranks (workers, micro batch): remap.py says what it keeps.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
-import shutil
 import signal
 from functools import partial
 from pathlib import Path
@@ -53,14 +52,15 @@ from rsclip_ds.data.bad import BAD_KINDS, DataError, StreamCounter, check_bad_fr
 from rsclip_ds.data.filter_counts import kept_counts, kept_counts_over_ranks
 from rsclip_ds.data.remap import READABLE_VERSIONS, STATE_VERSION, Remap, remap_state
 from rsclip_ds.data.schedule import EpochSchedule, build_epoch_schedule, derive_seed
+from rsclip_ds.data.shm import PREFETCH_FACTOR
 from rsclip_ds.data.sources import shard_counts, shard_counts_from_rank0
 from rsclip_ds.data.tar import read_shard
 from rsclip_ds.data.tokenizer import tokenize
 from rsclip_ds.data.transforms import ImageTransform, SampleDecoder
 from rsclip_ds.data.where import Where
+from rsclip_ds.data.workers import LoaderWorkerDied, Supervisor, WorkerDeath
 
 log = logging.getLogger("rsclip_ds.data")
-PREFETCH_FACTOR = 2   # batches each DataLoader worker has in flight
 
 
 def _shuffled(src: Iterator[dict], bufsize: int, rng: random.Random) -> Iterator[dict]:
@@ -238,6 +238,10 @@ class TrainLoader:
         self.examples: dict[str, str] = {}                 # kind -> a path where it happened
         self.remap: Remap | None = None                    # set when the run was remapped (remap.py)
         self.carried = {"bad": dict.fromkeys(BAD_KINDS, 0), "samples": 0, "shards": 0}   # old ranks' counts
+        self.deaths: list[WorkerDeath] = []                # workers that died (workers.py)
+        self.on_worker_death: Callable[[str], None] | None = None   # the Trainer's: ask for an agreed stop
+        self._supervisor: Supervisor | None = None
+        self.local_world_size = 1                          # for the numbers of a worker death (set by the builder)
         if state is not None and "remap_from" in state:
             self.remap, self.carried = remap_state(state["remap_from"], schedule, rank, cfg.shuffle_buffer)
             self.remap.apply(schedule)
@@ -326,19 +330,42 @@ class TrainLoader:
         return self.collate.micro * (3 * size * size + 8 * self.collate.max_text_length)
 
     # ---- iteration
-    def __iter__(self) -> Iterator[dict]:
-        """Batches from the current position on (a second iter() continues, it does not restart)."""
+    def _dataloader(self) -> DataLoader:
+        """A DataLoader from the current position (after the last batch handed out)."""
         dataset = StreamDataset(self.schedule, self.rank, self.prep, self.collate, self.cfg,
                                 starts=list(self._streams), offset=self.batches % self.streams)
         # batch_size=None: batching happens in the stream (one tokenizer call per batch); the
         # DataLoader takes batch i from worker i % workers, which the epoch schedule relies on.
-        loader = DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
-                            persistent_workers=False, pin_memory=self.pin_memory,
-                            prefetch_factor=PREFETCH_FACTOR if self.num_workers else None,
-                            worker_init_fn=_ignore_sigterm if self.num_workers else None)
-        for batch in loader:
+        return DataLoader(dataset, batch_size=None, num_workers=self.num_workers,
+                          persistent_workers=False, pin_memory=self.pin_memory,
+                          prefetch_factor=PREFETCH_FACTOR if self.num_workers else None,
+                          worker_init_fn=_ignore_sigterm if self.num_workers else None)
+
+    def __iter__(self) -> Iterator[dict]:
+        """Batches from the current position on (a second iter() continues, it does not restart).
+        A worker that dies is named and replaced at the same position once (workers.py); the
+        `on_worker_death` callback hears of it; a second death raises LoaderWorkerDied."""
+        self._supervisor = Supervisor(self._dataloader, self.rank, self._worker_died)
+        for batch in self._supervisor:
             self._on_batch(batch.pop("_meta"))
             yield batch
+
+    def worker_pids(self) -> list[int]:
+        """The pids of the live DataLoader workers of the current iteration."""
+        return self._supervisor.pids() if self._supervisor is not None else []
+
+    def _worker_died(self, death: WorkerDeath) -> None:
+        """Said once in full (cause, numbers, fix); the callback and the exit lines carry the headline."""
+        self.deaths.append(death)
+        message = death.message(workers=self.num_workers, batch_bytes=self.batch_bytes, prefetch=PREFETCH_FACTOR,
+                                local_ranks=self.local_world_size, shuffle_buffer=self.cfg.shuffle_buffer)
+        if len(self.deaths) > 1 or self.on_worker_death is None:
+            again = " (the second death of a worker of this rank)" if len(self.deaths) > 1 else ""
+            raise LoaderWorkerDied(f"{message}{again}. This rank cannot go on; no checkpoint was saved (the last "
+                                   "one is intact): fix the cause, then `rsclip-ds train ... --resume latest`")
+        log.warning("%s. Its workers start again at the same data position; the run stops at the next sync "
+                    "point, saving a checkpoint there, and exits with code 7", message)
+        self.on_worker_death(f"{death.headline()} (the likely cause and the fix: rank {self.rank}'s warning)")
 
 
 def _ignore_sigterm(_worker_id: int) -> None:
@@ -425,51 +452,6 @@ def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_
     prep = SampleDecoder(ImageTransform.from_config(image_size, cfg), _split_keys(cfg.image_key),
                          _split_keys(cfg.caption_key), Where.parse(cfg.where) if cfg.where else None)
     collate = Collate(tokenizer, max_text_length, micro_batch_size, return_keys)
-    return TrainLoader(schedule, rank, cfg, prep, collate, state=state, pin_memory=pin_memory)
-
-
-# --------------------------------------------------------------------------- shared memory
-
-SHM_MARGIN = 1.25   # token-id pickles, allocator rounding, the collective library's own segments
-
-
-def shared_memory_need(batch_bytes: int, workers: int, held: int, local_ranks: int) -> int:
-    """/dev/shm bytes the loaders of one node hold at most:
-        local_ranks x ceil(1.25 x batch_bytes x (PREFETCH_FACTOR x workers + held)),
-    per rank the batches its workers have in flight plus the ``held`` ones its train step keeps
-    (a step takes all its accumulation steps' micro-batches before it starts). 0 without
-    workers: batches are then made in the rank's own process, in ordinary memory."""
-    if workers == 0:
-        return 0
-    return local_ranks * math.ceil(SHM_MARGIN * batch_bytes * (PREFETCH_FACTOR * workers + held))
-
-
-def _free_bytes(path: str) -> int:
-    return shutil.disk_usage(path).free
-
-
-def check_shared_memory(loader: TrainLoader, *, held: int, local_ranks: int, path: str = "/dev/shm",
-                        free_bytes: Callable[[str], int] = _free_bytes) -> int:
-    """Raise ConfigError, naming the fixes, when ``path`` has less room than the loaders of this
-    node need (shared_memory_need): a worker that cannot grow its batch there dies of SIGBUS
-    mid-run (Docker's default /dev/shm is 64 MB). -> the bytes needed. No check where ``path``
-    does not exist (not Linux)."""
-    need = shared_memory_need(loader.batch_bytes, loader.num_workers, held, local_ranks)
-    if need == 0 or not os.path.isdir(path):
-        return need
-    free = free_bytes(path)
-    if free >= need:
-        return need
-    mib, size = 2 ** 20, loader.prep.transform.size
-    per_rank = SHM_MARGIN * loader.batch_bytes * local_ranks
-    fits = math.floor((free / per_rank - held) / PREFETCH_FACTOR)   # workers that would fit
-    raise ConfigError(
-        f"the data loader needs ~{need / mib:.0f} MiB of shared memory on this node, {path} has "
-        f"{free / mib:.0f} MiB free: {local_ranks} rank(s) x ({loader.num_workers} worker(s) x "
-        f"{PREFETCH_FACTOR} batches in flight + {held} held by the step) x {loader.batch_bytes / mib:.1f} MiB "
-        f"(micro batch {loader.collate.micro} at {size} px, uint8) x {SHM_MARGIN} margin. Fix one of: give "
-        f"the container more (docker run --shm-size={max(1, math.ceil(need / 2 ** 30))}g ...; Kubernetes: an "
-        f"emptyDir with medium: Memory mounted at /dev/shm); "
-        + (f"--set data.num_workers={fits} (fits); " if fits >= 1 else "")
-        + "a smaller batch.micro_batch_size; or --set data.num_workers=0 (no shared memory: batches are "
-        "made in each rank's own process, slower)")
+    loader = TrainLoader(schedule, rank, cfg, prep, collate, state=state, pin_memory=pin_memory)
+    loader.local_world_size = local_world_size
+    return loader

@@ -9,10 +9,12 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from datetime import timedelta
+from typing import Callable
 
 from rsclip_ds.config import ConfigError
 
@@ -224,15 +226,32 @@ class StopFlag:
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self._lock, self._announced = threading.Lock(), False
+        # true while this process reports a failure (rank_errors.py): a SIGTERM then is the launcher
+        # stopping the survivors of a dead rank, and no checkpoint follows -- nothing to announce
+        self.failing: Callable[[], bool] = lambda: False
 
     def __call__(self) -> bool:
+        if self.signal is not None:
+            self._announce()   # the loop polls at sync points: said by then at the latest
         return self.signal is not None
+
+    def _announce(self) -> None:
+        with self._lock:
+            if self._announced or self.failing():
+                return
+            self._announced = True
+        log.warning("received %s: saving a checkpoint at the next step boundary, then exiting with code 75",
+                    signal.Signals(self.signal).name)
 
     def install(self) -> "StopFlag":
         def handler(signum, frame):
             if self.signal is None:
-                log.warning("received %s: saving a checkpoint at the next step boundary, then exiting "
-                            "with code 75", signal.Signals(signum).name)
+                # said a moment later, from a thread: the handler runs as soon as a collective broken
+                # by a dead peer returns, before this rank's error path has claimed the report
+                timer = threading.Timer(1.0, self._announce)
+                timer.daemon = True
+                timer.start()
             self.signal = signum
 
         signal.signal(signal.SIGTERM, handler)
@@ -259,6 +278,7 @@ class StopFlag:
                 if os.getppid() != launch or _parent_pid(launch) != runner:
                     log.warning("the deepspeed command that started this node's ranks (pid %d) is gone: saving a "
                                 "checkpoint at the next step boundary, then exiting with code 75", runner)
+                    self._announced = True   # said just now
                     self.signal = signal.SIGTERM
         threading.Thread(target=watch, name="rsclip-launcher-watch", daemon=True).start()
         return self

@@ -56,6 +56,17 @@ class FaultConfig(Strict):
     inject_enospc_rank: Optional[int] = Field(
         None, ge=0, description="FAULT INJECTION for tests: the rank `inject_enospc_in_save_at_step` "
         "fails (default: the last rank, like the other injections).")
+    inject_error_at_step: Optional[int] = Field(
+        None, ge=1, description="FAULT INJECTION for tests, never set in real runs: rank `inject_rank` raises "
+        "a Python error of no known kind at the start of this optimizer step (its traceback on that rank, "
+        "'rank R failed' and exit code 1 on every other).")
+    inject_worker_kill_at_step: Optional[int] = Field(
+        None, ge=2, description="FAULT INJECTION for tests, never set in real runs: rank `inject_rank` "
+        "SIGKILLs one of its DataLoader workers at the start of this optimizer step (what the OOM killer "
+        "does; the workers start at step 1, so from step 2); needs data.num_workers >= 1.")
+    inject_rank: Optional[int] = Field(
+        None, ge=0, description="FAULT INJECTION for tests: the rank of inject_error_at_step and "
+        "inject_worker_kill_at_step (default: the last rank, like the other injections).")
 
     @model_validator(mode="after")
     def _check(self) -> "FaultConfig":

@@ -13,7 +13,8 @@ Each case resumes a copy of its step-2 checkpoint on W' ranks and checks:
   (c) the run finishes its 4 steps with finite losses and saves a checkpoint of W' ranks;
   (d) the learning rate of step 3 is the schedule's (warmup_cosine) and the first run's.
 Matrix: 2 -> 3 ranks at ZeRO-1 and 3, and 2 -> 1 at ZeRO-3 (the stage whose load rsclip_ds
-repairs), that one reusing a conversion made beforehand. ZeRO-2 loads through the same DeepSpeed
+repairs), that one reusing a conversion made beforehand; bf16 with optimizer offload (zero2_offload)
+through the shard loader's test at the end. ZeRO-2 loads through the same DeepSpeed
 code as ZeRO-1 (stage_1_and_2.py; 2 -> 3 passed there too when written, left out to keep the
 suite's time). The data position part is its own test at the end, through the shard loader.
 """
@@ -141,11 +142,17 @@ def _min_lr_ratio(out: Path) -> float:
 
 
 def test_the_shard_loader_resumes_on_another_number_of_ranks(launch_data, tmp_path):
-    """The whole `rsclip-ds train` path with the shard loader: 2 ranks save step 2, 3 ranks go on
-    from there with the same global batch (micro 12 x 2 = 8 x 3); the data position is re-mapped
-    (data/remap.py: what it keeps is tested in tests/unit/test_data_remap.py) and says so once."""
+    """The whole `rsclip-ds train` path with the shard loader, under bf16 and optimizer offload
+    (zero2_offload: the fp32 masters and Adam's moments in CPU memory): 2 ranks save step 2, 3 ranks
+    go on from there with the same global batch (micro 12 x 2 = 8 x 3); the data position is re-mapped
+    (data/remap.py: what it keeps is tested in tests/unit/test_data_remap.py) and says so once. The
+    offloaded optimizer state came back: its Adam step counts on from 2 (a state rebuilt from scratch
+    would count from 0), and the 3-rank step-4 weights are two small Adam steps from the step-2
+    checkpoint's (a model that was not loaded would be a fresh initialisation, about as far as its norm).
+    The resumed losses cannot equal the first run's: the re-mapped data order differs."""
     out = tmp_path / "run"
-    base = ["profile=zero1", "steps=4", "optim.warmup_steps=2", "logging.log_every=1", "checkpoint.every=2"]
+    base = ["profile=zero2_offload", "precision=bf16", "steps=4", "optim.warmup_steps=2", "logging.log_every=1",
+            "checkpoint.every=2"]
     first = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port())]
     run_checked(first + train_args(launch_data, out, base + ["batch.micro_batch_size=12",
                                                              "checkpoint.stop_after=2"]))
@@ -157,7 +164,19 @@ def test_the_shard_loader_resumes_on_another_number_of_ranks(launch_data, tmp_pa
     s = summary(out)
     assert s["resumed_from"] == [2] and s["optimizer_steps"] == 4
     assert all(math.isfinite(x) for x in s["losses"])
-    assert json.loads((out / "checkpoints" / tag_for(4) / META).read_text())["world_size"] == 3
+    root = out / "checkpoints"
+    assert json.loads((root / tag_for(4) / META).read_text())["world_size"] == 3
     log = proc.stdout + proc.stderr
     assert log.count("data remap: 2 -> 3 rank(s) at epoch 0") == 1, log[-4000:]
     assert "resumed step 2 written by 2 ranks on 3 ranks (universal checkpoint" in log
+    ds = json.loads((out / "ds_config.json").read_text())   # the resumed run's, as DeepSpeed got it
+    assert ds["bf16"]["enabled"] and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["checkpoint"]["load_universal"] is True
+    for rank in range(3):
+        optim = torch.load(root / tag_for(4) / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+                           map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        steps = {int(v["step"]) for v in optim["base_optimizer_state"]["state"].values()}
+        assert steps == {4}, (rank, steps)
+    w2, w4 = consolidated_state_dict(root / tag_for(2))[1], consolidated_state_dict(root / tag_for(4))[1]
+    moved = (sum(((w4[k] - w2[k]) ** 2).sum() for k in w2) / sum((w2[k] ** 2).sum() for k in w2)).sqrt().item()
+    assert 0 < moved < 0.05, moved   # measured 0.0074 (relative, all weights); another init: ~1.4

@@ -1,8 +1,10 @@
-"""SIGTERM (pre-emption) and non-finite losses, with real 2-rank launches (tiny, fp32, ZeRO-2)."""
+"""SIGTERM (pre-emption), non-finite losses, one rank's error and a killed loader worker, with real 2-rank
+launches (tiny, fp32, ZeRO-2)."""
 
 from __future__ import annotations
 
 import math
+import re
 import signal
 import subprocess
 
@@ -158,3 +160,50 @@ def test_a_full_disk_in_a_save_exits_6_and_a_truncated_newest_checkpoint_falls_b
     assert s["resumed_from"] == [4] and s["optimizer_steps"] == 8
     assert s["losses"][5] == first[6] and s["losses"][7] == first[8]   # fp32 ZeRO-2 resumes bit for bit
     assert read_pointer(root) == "step00000008"
+
+
+def test_a_python_error_on_rank0_reaches_rank1_as_itself(launch_data, tmp_path):
+    """Rank 0 (which hosts the rendezvous store) raises an error of no known kind at step 3: its
+    traceback once, on rank 0; rank 1, blocked in a collective rank 0 never joins, says "rank 0
+    failed: ..." and exits 1 too, before any connection error or heartbeat timeout."""
+    out = tmp_path / "run"
+    proc = launch_run(launch_data, out, "faults.inject_error_at_step=3", "faults.inject_rank=0")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text[-4000:]
+    said = "InjectedError: fault injection: rank 0 raises at step 3 (faults.inject_error_at_step)"
+    assert text.count("Traceback (most recent call last)") == 1, text[-4000:]
+    assert text.count(f"\nrsclip_ds.train.{said}\n") == 1, text[-4000:]   # the traceback's last line
+    assert f"rsclip-ds: rank 0 failed: {said} (seen by rank 1; exiting with its code 1)" in text, text[-4000:]
+    assert "Connection closed" not in text and "sent no heartbeat" not in text
+
+
+def test_a_killed_loader_worker_saves_on_every_rank_and_exits_7_without_orphans(launch_data, tmp_path):
+    """A real SIGKILL to rank 1's DataLoader worker at step 5 (what the OOM killer does): named on
+    rank 1 with the likely cause, its worker replaced at the same data position; the ranks agree
+    to stop at the next sync point (step 6, a log step), save that step there and exit 7; every
+    process of the job (ranks, workers) ends."""
+    out = tmp_path / "run"
+    cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port())]
+    cmd += train_args(launch_data, out, CHECKPOINT_RUN + ["faults.inject_worker_kill_at_step=5", "faults.inject_rank=1"])
+    job = TimedJob(cmd)
+    try:
+        wait_for(lambda: "rank0] step 2/8" in job.text or job.proc.poll() is not None, "rank 0 to log step 2",
+                 timeout=300, poll=0.1, detail=lambda: job.text[-4000:])
+        pids = [p.pid for p in psutil.Process(job.proc.pid).children(recursive=True)]   # ranks and workers
+        code = job.wait(timeout=240)
+        text = job.finish_output()        # every process that held the output pipe has ended
+    finally:
+        job.kill()
+    assert code == 7, text[-4000:]
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    named = re.search(r"rank 1: DataLoader worker 0 \(pid (\d+)\) was killed by SIGKILL\. SIGKILL of a loader "
+                      r"worker is almost always the kernel's OOM killer", text)
+    assert named and text.count(named.group(0)) == 1, text[-4000:]   # the warning says it in full, once
+    assert text.count("data.num_workers=1 worker(s) x 2 batches in flight") == 1
+    head = f"LoaderWorkerDied: rank 1: DataLoader worker 0 (pid {named.group(1)}) was killed by SIGKILL (the likely " \
+           f"cause and the fix: rank 1's warning). Checkpoint step00000006 saved at the agreed stop after step 6"
+    assert f"\nrsclip-ds: {head}" in text and f"\nrsclip-ds: rank 1 failed: {head}" in text, text[-4000:]
+    assert "Traceback" not in text
+    s = summary(out)
+    assert s["stopped"] == "loader_worker_died" and s["optimizer_steps"] == 6 and len(s["losses"]) == 6
+    assert read_pointer(out / "checkpoints") == "step00000006"
