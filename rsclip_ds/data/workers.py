@@ -93,11 +93,14 @@ class WorkerDeath:
 
 # --------------------------------------------------------------------------- SIGCHLD
 
-_child_exited = threading.Event()
+# A plain flag, not a threading.Event: a handler runs between two bytecodes of the main thread, so
+# one that takes a lock (Event.set) deadlocks when a second SIGCHLD lands inside the first's set
+# (two workers ending together at shutdown). Assigning a list item takes no lock.
+_child_exited = [False]
 
 
 def _note_child(signum, frame) -> None:
-    _child_exited.set()
+    _child_exited[0] = True
 
 
 def watch_children() -> None:
@@ -165,8 +168,8 @@ class Supervisor:
         """The iterator's batches until a worker is found dead -> that WorkerDeath (None at its end)."""
         it = self.iterator
         while True:
-            if _child_exited.is_set():
-                _child_exited.clear()
+            if _child_exited[0]:
+                _child_exited[0] = False   # before the check: a death after it sets the flag again
                 dead = dead_workers(it, self.rank)   # SIGCHLD comes once the child can be reaped
                 if dead:
                     return dead[0]

@@ -163,7 +163,10 @@ def say(line: str) -> None:
     """One user-facing line on stderr, flushed before the process may end with os._exit."""
     print(f"rsclip-ds: {line}", file=sys.stderr, flush=True)
     for handler in logging.getLogger().handlers:
-        handler.flush()
+        try:
+            handler.flush()
+        except (OSError, ValueError):   # a handler whose stream is closed: the line above is what counts
+            pass
 
 
 class RankErrors:

@@ -21,7 +21,7 @@ def test_precedence_defaults_file_then_set(tmp_path):
 
 
 @pytest.mark.parametrize("override, fragment", [
-    ("model.presett=tiny", "model.presett: unknown key; allowed here: activation_checkpointing, preset, pretrained"),
+    ("model.presett=tiny", "model.presett: unknown key; allowed here: activation_checkpointing, patch_dropout, patch_dropout_off_last_steps, preset, pretrained"),
     ("precision=fp8", "precision: Input should be 'fp32', 'bf16' or 'fp16'"),
     ("batch.micro_batch_size=0", "batch.micro_batch_size"),
     ("optim.lr_scaling=cubic", "optim.lr_scaling"),

@@ -234,14 +234,25 @@ def test_workers_survive_sigterm_so_the_rank_can_save(index):
 
 @pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task"), reason="needs /proc")
 def test_a_second_sigterm_still_ends_a_worker(index):
-    """terminate() at shutdown must work: only the first SIGTERM is absorbed."""
+    """terminate() at shutdown must work: only the first SIGTERM is absorbed. (Whether the rank
+    then notices the dead worker depends on the process's SIGCHLD handler -- torch's raises, ours
+    in data/workers.py only notes it -- so this checks the worker itself: it ends.)"""
+    import psutil
+
     it, _, workers = _started_workers(index)   # keep `it`: dropping it shuts the workers down
     pid = workers[0]
-    with pytest.raises(RuntimeError, match=f"pid {pid}.*killed by signal: Terminated"):
-        os.kill(pid, signal.SIGTERM)
-        # a second SIGTERM sent while the first is still pending would merge with it
-        wait_for(lambda: not _catches_sigterm(pid), f"worker {pid} to handle the first SIGTERM")
-        os.kill(pid, signal.SIGTERM)
-        # torch's SIGCHLD handler raises the error in this thread, out of the wait, once the
-        # worker is dead; the condition itself never becomes true
-        wait_for(lambda: False, "the DataLoader to report the killed worker")
+    os.kill(pid, signal.SIGTERM)
+    # a second SIGTERM sent while the first is still pending would merge with it
+    wait_for(lambda: not _catches_sigterm(pid), f"worker {pid} to handle the first SIGTERM")
+    assert psutil.Process(pid).status() != psutil.STATUS_ZOMBIE   # the first one was absorbed
+    os.kill(pid, signal.SIGTERM)
+
+    def ended() -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:   # already reaped
+            return True
+    try:
+        wait_for(ended, f"worker {pid} to end on the second SIGTERM")
+    except RuntimeError as err:   # torch's SIGCHLD handler, where it is still the process's, says so here
+        assert f"pid {pid}" in str(err) and "Terminated" in str(err)

@@ -51,6 +51,9 @@ def _rank_main(scenario, rank: int, world: int, folder: str, port: int) -> None:
             code = 0
         except Exception as exc:   # what Trainer.__exit__ does
             code = errors.fail(exc).code
+    except BaseException:   # the harness itself (or fail) broke: say how, for the test's message
+        import traceback
+        traceback.print_exc()
     finally:
         os._exit(code)
 
