@@ -290,8 +290,9 @@ class Trainer:
         lg = run.logging
         metrics = MetricsLog(Path(run.output_dir) / "metrics.jsonl", p.engine.monitor, enabled=rank == 0,
                              resumed_at=p.resume["step"] if p.resume else None)
+        batches = iter(p.loader)
         try:
-            result = train(p.engine, iter(p.loader), p.loss_fn, p.batch, run.steps, run.logging.log_every,
+            result = train(p.engine, batches, p.loss_fn, p.batch, run.steps, run.logging.log_every,
                            reporter, accumulation=run.batch.accumulation, hooks=p.hooks,
                            checkpointer=p.checkpointer, guard=p.guard, loader=p.loader,
                            resume=p.resume, stop_after=run.checkpoint.stop_after, metrics=metrics,
@@ -299,6 +300,10 @@ class Trainer:
         except DiskFullError as err:   # raised by the checkpointer on every rank, with one message
             raise DiskFull(str(err)) from None
         finally:
+            # the loader's workers end here, also on an error: left to interpreter exit (an error's
+            # traceback keeps the iterator alive), multiprocessing's one SIGTERM is the one they absorb
+            # (loader.py) and its join waits forever
+            getattr(batches, "close", lambda: None)()
             reporter.close()
             metrics.close()
         self.startup["first_step"] = result.first_step_s   # loader workers start, first batch, lazy init
