@@ -153,6 +153,15 @@ def _bundle_from_hf_folder(folder: Path, loss: str) -> ModelBundle:
                        tuple(proc.image_std), tc.max_position_embeddings)
 
 
+def _device_and_dtype(info, precision: str) -> tuple[torch.device, torch.dtype]:
+    """This rank's accelerator (the CPU on CPU ranks) and the --precision dtype."""
+    device = torch.device("cpu")
+    if info.on_gpu:
+        from deepspeed.accelerator import get_accelerator
+        device = torch.device(get_accelerator().device_name(info.local_rank))
+    return device, {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
 def run(args) -> int:
     """The `rsclip-ds eval` handler: every rank embeds its share, rank 0 reports."""
     from rsclip_ds.runtime.distributed import configure_logging, destroy_distributed, init_distributed
@@ -176,11 +185,7 @@ def run(args) -> int:
     info = init_distributed()
     try:
         configure_logging(info.rank)
-        device = torch.device("cpu")
-        if info.on_gpu:
-            from deepspeed.accelerator import get_accelerator
-            device = torch.device(get_accelerator().device_name(info.local_rank))
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+        device, dtype = _device_and_dtype(info, args.precision)
         model = bundle.model.to(device, dtype).eval()
         try:
             results = evaluate(Embedder(model, bundle, cfg.batch_size, info.rank, info.world_size, device,
@@ -295,11 +300,7 @@ def run_suite(args) -> int:
     info = init_distributed()
     try:
         configure_logging(info.rank)
-        device = torch.device("cpu")
-        if info.on_gpu:
-            from deepspeed.accelerator import get_accelerator
-            device = torch.device(get_accelerator().device_name(info.local_rank))
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+        device, dtype = _device_and_dtype(info, args.precision)
 
         def run_model(b: ModelBundle) -> dict:
             model = b.model.to(device, dtype).eval()
