@@ -253,3 +253,37 @@ def test_config_refusals_name_the_fix(tmp_path, teacher_dir):
         check_distill(DistillConfig(teacher=str(teacher_dir), placement="zero3"), 2)
     with pytest.raises(ConfigError, match="distill.teacher is not"):
         check_distill(DistillConfig(weight=0.5, dtype="bf16"), 2)
+
+
+# --------------------------------------------------------------------------- the planner
+
+def test_planner_counts_the_teacher():
+    """A git-rsclip-large teacher of a base student: its bf16 weights (all of them, or 1/G under
+    zero3 placement), its inputs and embeddings beside the student's, its forward FLOPs per sample."""
+    from rsclip_ds.model import preset_config
+    from rsclip_ds.planning.flops import flops_per_sample
+    from rsclip_ds.planning.memory import GiB, peak, preset_spec
+    from rsclip_ds.planning.planner import Budget, Hardware, plan
+    from rsclip_ds.planning.teacher import forward_bytes, teacher_plan, weight_bytes, with_teacher
+    from rsclip_ds.profiles import load_profile
+
+    student, teacher = preset_spec("git-rsclip-base"), teacher_plan("git-rsclip-large")
+    assert 640e6 < teacher.spec.params < 660e6
+    base = peak(student, load_profile("zero2"), "bf16", 8, 8, micro=32)
+    got = with_teacher(base, teacher, 8, 32)
+    assert got.states - base.states == 2 * teacher.spec.params
+    assert got.inputs - base.inputs == 32 * (3 * 256 ** 2 + 8 * 64) + 32 * 2 * 4 * 1024
+    assert got.activations == max(base.activations, forward_bytes(teacher, 32))
+    assert weight_bytes(teacher_plan("git-rsclip-large", placement="zero3"), 8) == -(-2 * teacher.spec.params // 8)
+    assert weight_bytes(teacher_plan("git-rsclip-large", dtype="fp32"), 8) == 4 * teacher.spec.params
+
+    budget, hw = Budget(8, 1, 16 * GiB), Hardware()
+    rows = {(r.profile, r.checkpointing): r for r in plan(student, budget, 8192, profiles=["zero2"],
+                                                          accumulation="plain")}
+    with_t = {(r.profile, r.checkpointing): r for r in plan(student, budget, 8192, profiles=["zero2"],
+                                                            accumulation="plain", teacher=teacher)}
+    per_sample = flops_per_sample(preset_config("git-rsclip-large")).forward
+    for key, row in rows.items():
+        assert with_t[key].compute_s - row.compute_s == pytest.approx(per_sample * 1024 / hw.flops, rel=1e-9)
+        assert with_t[key].max_micro <= row.max_micro
+    assert any(with_t[k].max_micro < r.max_micro for k, r in rows.items())
