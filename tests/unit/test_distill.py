@@ -287,3 +287,27 @@ def test_planner_counts_the_teacher():
         assert with_t[key].compute_s - row.compute_s == pytest.approx(per_sample * 1024 / hw.flops, rel=1e-9)
         assert with_t[key].max_micro <= row.max_micro
     assert any(with_t[k].max_micro < r.max_micro for k, r in rows.items())
+
+
+def test_plan_takes_a_teacher(capsys):
+    """`rsclip-ds plan --set distill.teacher=git-rsclip-large`: a smaller micro-batch fits, the step
+    computes more, and the launch command carries the setting."""
+    import argparse
+    import json
+
+    from rsclip_ds.cli.plan import register, run
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    base = ["plan", "--model", "git-rsclip-base", "--gpus", "8", "--gpu-mem", "16GiB", "--global-batch", "8192",
+            "--json"]
+
+    def planned(*sets):
+        capsys.readouterr()
+        assert run(parser.parse_args(base + [a for s in sets for a in ("--set", s)])) == 0
+        doc = json.loads(capsys.readouterr().out)
+        return doc, {(r["profile"], r["checkpointing"]): r for r in doc["rows"]}[("zero2", False)]
+
+    (_, alone), (doc, taught) = planned(), planned("distill.teacher=git-rsclip-large")
+    assert taught["max_micro"] < alone["max_micro"] and taught["compute_s"] > 1.5 * alone["compute_s"]
+    assert "--set distill.teacher=git-rsclip-large" in doc["command"]
