@@ -196,7 +196,8 @@ class Trainer:
                 from deepspeed.accelerator import get_accelerator   # the engine's device, before the engine
 
                 teacher, teacher_inputs = load_teacher(run.distill, device=get_accelerator().current_device_name(),
-                                                       on_gpu=info.on_gpu, local_rank=info.local_rank)
+                                                       on_gpu=info.on_gpu, local_rank=info.local_rank,
+                                                       ds_config=self.ds_config)
         self.checkpoint_bytes = checkpoint_bytes(*param_counts(bundle.model), run.precision, run.bf16.master_weights,
                                                  self.ds_config.get("zero_optimization", {}).get("stage", 0))
         if info.rank == 0:

@@ -4,8 +4,11 @@ The teacher is a transformers SiglipModel or CLIPModel read from a folder or a h
 same resolver as ``model.pretrained`` (one fetch per node); it brings its own tokenizer, image
 size and image mean/std (``TeacherInputs``: what the loader needs to emit its inputs). It is
 frozen -- ``requires_grad=False``, eval mode, no optimizer state, no activations kept: every
-forward runs under ``torch.no_grad()`` -- and lives on the rank's device in ``distill.dtype``,
-replicated on every rank ('replicated' placement).
+forward runs under ``torch.no_grad()`` -- and lives on the rank's device in ``distill.dtype``:
+replicated on every rank ('replicated' placement), or partitioned over the ranks as a ZeRO-3
+student is ('zero3'): built inside ``deepspeed.zero.Init`` (rank by rank 1/W of its weights) and
+wrapped in a DeepSpeed engine of its own without an optimizer (ZeRO-Inference: the engine's
+parameter hooks gather each module's weights for its forward and release them after).
 """
 
 from __future__ import annotations
@@ -104,23 +107,47 @@ def check_distill(cfg: DistillConfig, zero_stage: int) -> None:
         raise ConfigError(f"distill.placement=zero3 partitions the teacher like a ZeRO-3 student, but the profile "
                           f"is ZeRO stage {zero_stage}: use --set profile=zero3 (or zero3_offload), or "
                           "distill.placement=replicated")
-    if cfg.placement == "zero3":
-        raise ConfigError("distill.placement=zero3 is not available yet: a frozen teacher partitioned over the "
-                          "ranks needs its own DeepSpeed inference engine for the per-layer gathers, which is not "
-                          "built; use distill.placement=replicated (the teacher in distill.dtype on every rank)")
+    if cfg.placement == "zero3" and Path(cfg.teacher).exists():
+        _check_partitionable(_model_type(Path(cfg.teacher), what), what)
 
 
-def load_teacher(cfg: DistillConfig, *, device, on_gpu: bool, local_rank: int = 0) -> tuple[Teacher, TeacherInputs]:
-    """The teacher on ``device`` in its dtype, and its inputs' spec (tokenizer, image size, text length)."""
+def _check_partitionable(kind: str, what: str) -> None:
+    if kind == "clip":   # DeepSpeed 0.19.8 crashes on 0-dim parameters across ranks (shared/notes/deepspeed.md)
+        raise ConfigError(f"{what} is a CLIP model, whose 0-dim logit_scale DeepSpeed 0.19.8 cannot partition "
+                          "('self.dim() cannot be 0 to view Float as Byte'): use distill.placement=replicated")
+
+
+def teacher_ds_config(ds_config: dict, dtype: torch.dtype) -> dict:
+    """The teacher's own DeepSpeed config for 'zero3' placement: the student's ZeRO-3 block (its
+    parameter offload too) without anything an optimizer needs, in the teacher's dtype."""
+    zero = {k: v for k, v in ds_config.get("zero_optimization", {}).items() if k != "offload_optimizer"}
+    return {"train_micro_batch_size_per_gpu": ds_config.get("train_micro_batch_size_per_gpu", 1),
+            "gradient_accumulation_steps": 1, "zero_optimization": zero,
+            "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16},
+            "steps_per_print": 2**31 - 1}
+
+
+def load_teacher(cfg: DistillConfig, *, device, on_gpu: bool, local_rank: int = 0,
+                 ds_config: dict | None = None) -> tuple[Any, TeacherInputs]:
+    """The teacher on ``device`` in its dtype -- a Teacher, or under 'zero3' placement its DeepSpeed
+    engine (``ds_config``: the student's) -- and its inputs' spec (tokenizer, image size, text length)."""
     from transformers import CLIPModel, SiglipModel
 
     from rsclip_ds.hub import resolve_source_per_node
+    from rsclip_ds.model import maybe_zero3_init
 
     source = resolve_source_per_node(ModelConfig(pretrained=cfg.teacher, revision=cfg.revision), local_rank)
-    folder = Path(source.folder)
-    kind = _model_type(folder, f"distill.teacher={cfg.teacher}")
+    folder, what = Path(source.folder), f"distill.teacher={cfg.teacher}"
+    kind = _model_type(folder, what)
     cls = SiglipModel if kind == "siglip" else CLIPModel
-    model = cls.from_pretrained(str(folder), dtype=teacher_dtype(cfg.dtype, on_gpu)).to(device)
+    dtype = teacher_dtype(cfg.dtype, on_gpu)
+    zero3 = teacher_ds_config(ds_config or {}, dtype) if cfg.placement == "zero3" else None
+    if zero3 is not None:
+        _check_partitionable(kind, what)
+    with maybe_zero3_init(zero3) as partitioned:   # zero3: each rank builds and keeps 1/W of the weights
+        model = cls.from_pretrained(str(folder), dtype=dtype)
+    if not partitioned:
+        model = model.to(device)
     mean, std = IMAGE_MEAN, IMAGE_STD
     processor = folder / "preprocessor_config.json"
     if processor.is_file():
@@ -129,17 +156,27 @@ def load_teacher(cfg: DistillConfig, *, device, on_gpu: bool, local_rank: int = 
     config = model.config
     inputs = TeacherInputs(load_tokenizer(folder), config.vision_config.image_size,
                            config.text_config.max_position_embeddings)
-    return Teacher(model, mean, std), inputs
+    teacher = Teacher(model, mean, std)
+    if zero3 is not None:
+        import deepspeed
+
+        teacher = deepspeed.initialize(model=teacher, config=zero3)[0]   # no optimizer: ZeRO-Inference
+    return teacher, inputs
 
 
 class Distiller:
-    """The teacher's targets for a batch and the weighted distillation term of a step. ``world_size``
-    is the loss's (1 with loss.negatives=local: each rank distils over its own micro-batch)."""
+    """The teacher's targets for a batch and the weighted distillation term of a step. ``teacher``: a
+    Teacher or its ZeRO-3 engine; ``world_size`` is the loss's (1 with loss.negatives=local: each rank
+    distils over its own micro-batch)."""
 
-    def __init__(self, teacher: Teacher, weight: float, loss: str, rank: int = 0, world_size: int = 1):
+    def __init__(self, teacher, weight: float, loss: str, rank: int = 0, world_size: int = 1):
+        from rsclip_ds.model import maybe_gathered
+
         self.teacher, self.weight, self.loss_name = teacher, weight, loss
         self.rank, self.world_size = rank, world_size
-        self.logit_scale = teacher.model.logit_scale.detach().float().reshape(())   # frozen: read once
+        scale = getattr(teacher, "module", teacher).model.logit_scale
+        with maybe_gathered([scale]):   # frozen: read once (gathered under zero3 placement)
+            self.logit_scale = scale.detach().float().clone().reshape(())
 
     def targets(self, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The teacher's (B, D_t) image and text embeddings of a batch (float32, no graph)."""

@@ -210,6 +210,50 @@ def test_teacher_folder_loads_frozen_with_its_own_inputs(teacher_dir):
     assert image.shape == (2, 96) and not image.requires_grad
 
 
+def _zero3_teacher_on_rank(rank: int, world: int, folder: str, port: int) -> dict:
+    """The teacher partitioned over the ranks (its own ZeRO-3 inference engine) against the same
+    teacher replicated: this rank's share of its weights, and the embeddings of one batch."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+    engine, _ = load_teacher(DistillConfig(teacher=folder, placement="zero3"), device="cpu", on_gpu=False,
+                             ds_config=ds_config)
+    whole, _ = load_teacher(DistillConfig(teacher=folder), device="cpu", on_gpu=False)
+    params = list(engine.module.parameters())
+    g = torch.Generator().manual_seed(rank)
+    pixels = torch.randint(0, 256, (2, 3, TEACHER_SIZE, TEACHER_SIZE), dtype=torch.uint8, generator=g)
+    ids = torch.randint(0, 100, (2, 24), generator=g)
+    got, want = Distiller(engine, 1.0, "siglip"), Distiller(whole, 1.0, "siglip")
+    diffs = [(a - b).abs().max().item() for a, b in zip(got.targets({"teacher_pixel_values": pixels,
+                                                                     "teacher_input_ids": ids}, "cpu"),
+                                                       want.targets({"teacher_pixel_values": pixels,
+                                                                     "teacher_input_ids": ids}, "cpu"))]
+    return {"held": sum(p.ds_tensor.numel() for p in params), "total": sum(p.ds_numel for p in params),
+            "local": sum(p.numel() for p in params), "diff": max(diffs),
+            "scale": [got.logit_scale.item(), want.logit_scale.item()], "frozen": not any(p.requires_grad for p in params)}
+
+
+@pytest.mark.slow
+def test_zero3_placement_partitions_the_teacher_and_gives_its_embeddings(teacher_dir, tmp_path):
+    import socket
+
+    import deepspeed  # noqa: F401 -- imported once here, not in every forked rank
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ranks = run_ranks(_zero3_teacher_on_rank, 2, tmp_path, str(teacher_dir), port)
+    assert all("error" not in r for r in ranks), [r.get("traceback") for r in ranks]
+    for r in ranks:
+        got = r["value"]
+        assert got["local"] == 0 and got["frozen"]          # nothing but partitions outside the forward
+        assert got["held"] <= got["total"] // 2 + 2 * 48   # 1/2 each, up to padding per parameter
+        assert got["diff"] < 1e-6 and got["scale"][0] == got["scale"][1]
+    assert ranks[0]["value"]["held"] + ranks[1]["value"]["held"] >= ranks[0]["value"]["total"]
+
+
 def test_loader_emits_both_models_inputs_from_the_same_view(tiny_shards, tiny_tokenizer, teacher_dir):
     from rsclip_ds.data import build_train_loader
     from rsclip_ds.data.tokenizer import tokenize
@@ -251,6 +295,11 @@ def test_config_refusals_name_the_fix(tmp_path, teacher_dir):
         check_distill(DistillConfig(teacher=str(tmp_path)), 2)
     with pytest.raises(ConfigError, match="profile=zero3"):
         check_distill(DistillConfig(teacher=str(teacher_dir), placement="zero3"), 2)
+    check_distill(DistillConfig(teacher=str(teacher_dir), placement="zero3"), 3)
+    (tmp_path / "config.json").write_text('{"model_type": "clip"}')
+    check_distill(DistillConfig(teacher=str(tmp_path)), 2)
+    with pytest.raises(ConfigError, match="placement=replicated"):
+        check_distill(DistillConfig(teacher=str(tmp_path), placement="zero3"), 3)
     with pytest.raises(ConfigError, match="distill.teacher is not"):
         check_distill(DistillConfig(weight=0.5, dtype="bf16"), 2)
 
