@@ -190,14 +190,7 @@ class Trainer:
             if ac:
                 apply_activation_checkpointing(bundle.model)
             dropout = apply_patch_dropout(bundle.model, run.model.patch_dropout)
-        teacher, teacher_inputs = None, None
-        if run.distill.teacher is not None:
-            with self._phase("teacher"):
-                from deepspeed.accelerator import get_accelerator   # the engine's device, before the engine
-
-                teacher, teacher_inputs = load_teacher(run.distill, device=get_accelerator().current_device_name(),
-                                                       on_gpu=info.on_gpu, local_rank=info.local_rank,
-                                                       ds_config=self.ds_config)
+        teacher, teacher_inputs = self._teacher() if run.distill.teacher is not None else (None, None)
         self.checkpoint_bytes = checkpoint_bytes(*param_counts(bundle.model), run.precision, run.bf16.master_weights,
                                                  self.ds_config.get("zero_optimization", {}).get("stage", 0))
         if info.rank == 0:
@@ -253,6 +246,20 @@ class Trainer:
         self.parts = Parts(batch, bundle, ac, engine, checkpointer, loader, loss_fn, self._guard(), hooks, resume,
                            distiller)
         return self.parts
+
+    def _teacher(self):
+        """distill.teacher, frozen on this rank's device (or partitioned: distill.placement) -> (the
+        teacher, the inputs the loader makes for it)."""
+        from deepspeed.accelerator import get_accelerator   # the engine's device, before the engine
+
+        d, info = self.run.distill, self.info
+        with self._phase("teacher"):
+            teacher, inputs = load_teacher(d, device=get_accelerator().current_device_name(), on_gpu=info.on_gpu,
+                                           local_rank=info.local_rank, ds_config=self.ds_config)
+        if info.rank == 0:
+            log.info("distilling from %s: %s, %s, weight %g", d.teacher, d.placement,
+                     next(getattr(teacher, "module", teacher).parameters()).dtype, d.weight)
+        return teacher, inputs
 
     def _checkpointer(self, bundle: ModelBundle) -> Checkpointer:
         run = self.run

@@ -31,4 +31,5 @@ class DistillConfig(Strict):
     placement: Literal["replicated", "zero3"] = Field(
         "replicated", description="'replicated': every rank holds the whole teacher in its dtype. 'zero3': "
         "partitioned over the ranks as the student's ZeRO-3 parameters are (1/world of its bytes per rank, "
-        "gathered layer by layer in its forward): only with a ZeRO-3 profile.")
+        "gathered layer by layer in its forward by a DeepSpeed inference engine of its own): only with a "
+        "ZeRO-3 profile, and not for a CLIP teacher (DeepSpeed 0.19.8 cannot partition its 0-dim logit_scale).")
