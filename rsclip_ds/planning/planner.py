@@ -27,6 +27,7 @@ from functools import lru_cache
 from rsclip_ds.planning import comms
 from rsclip_ds.planning.memory import BYTES, GiB, ModelSpec, Peak, model_state_bytes, peak
 from rsclip_ds.planning.teacher import forward_flops, with_teacher
+from rsclip_ds.planning.teacher import traffic as teacher_traffic
 
 # Hybrid ZeRO-3 strategies by profile name: zero_optimization keys added to zero3's block;
 # "per_node" becomes the budget's GPUs per node (hpZ's secondary group, MiCS's shard group).
@@ -177,7 +178,8 @@ def step_time(spec: ModelSpec, prof, precision: str, checkpointing: bool, micro:
                min(compute, network) is hidden;
       PCIe     optimizer offload: g Ψ/G per micro-batch out, p Ψ/G per step in; parameter
                offload 2p Ψ/G more per micro-batch; CPU Adam on the node's n Ψ/G parameters.
-    ``teacher`` (planning.teacher.TeacherPlan): its forward per sample joins the compute."""
+    ``teacher`` (planning.teacher.TeacherPlan): its forward per sample joins the compute, its
+    weights' all-gathers (zero3 placement) the network."""
     from rsclip_ds.profiles import wire_dtype   # the run's distributed.communication_data_type, resolved
 
     p, g, _ = BYTES[precision]
@@ -192,7 +194,7 @@ def step_time(spec: ModelSpec, prof, precision: str, checkpointing: bool, micro:
         persistent=spec.small_params if stage == 3 else 0, accumulation_mode=accumulation,
         checkpointed=spec.layer_params if checkpointing and stage == 3 else 0,
         loss=comms.LossTraffic(loss, negatives, micro, spec.embed_dim), gpus_per_node=budget.gpus_per_node)
-    net = comms.comm_time(traffic, budget.nodes, budget.gpus_per_node, hw.intra_bw, hw.inter_bw)
+    net = comms.comm_time(traffic + teacher_traffic(teacher, accum), budget.nodes, budget.gpus_per_node, hw.intra_bw, hw.inter_bw)
     part, tpart = psi / G, t / G
     pcie = (g * tpart * accum + p * tpart) * prof.offload_optimizer + 2 * p * part * accum * prof.offload_param
     cpu = tpart * budget.gpus_per_node / hw.cpu_adam if prof.offload_optimizer else 0.0

@@ -15,6 +15,8 @@ gradients, no optimizer state and keeps no activations for backward. Per rank:
                  the math kernel on CPU; flash attention on a GPU keeps none of them)
     FLOPs        one forward per sample (flops.py's count): plain and 'global' accumulation alike
                  (the latter's recompute pass needs no teacher)
+    traffic      zero3 placement: its engine all-gathers the whole teacher, d Ψ_T, in every
+                 micro-batch's forward (comms.Traffic, timed with the student's traffic)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from rsclip_ds.planning.comms import Traffic
 from rsclip_ds.planning.memory import ModelSpec, Peak
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -110,3 +113,12 @@ def forward_flops(teacher: TeacherPlan | None) -> int:
     from rsclip_ds.planning.flops import flops_per_sample
 
     return flops_per_sample(teacher._config()).forward
+
+
+def traffic(teacher: TeacherPlan | None, accumulation_steps: int) -> list[Traffic]:
+    """Its collectives per optimizer step: the weights' all-gathers under zero3 placement, one
+    forward per micro-batch; none when replicated (the embeddings' all-gather is B D_T floats)."""
+    if teacher is None or not teacher.partitioned:
+        return []
+    size = teacher.spec.params * teacher.bytes_per_value
+    return [Traffic("all_gather", "teacher parameters in forward", size * accumulation_steps, accumulation_steps)]

@@ -336,6 +336,18 @@ def test_planner_counts_the_teacher():
         assert with_t[key].compute_s - row.compute_s == pytest.approx(per_sample * 1024 / hw.flops, rel=1e-9)
         assert with_t[key].max_micro <= row.max_micro
     assert any(with_t[k].max_micro < r.max_micro for k, r in rows.items())
+    assert all(with_t[k].comm_s == r.comm_s for k, r in rows.items())   # replicated: no traffic of its own
+
+    from rsclip_ds.planning.comms import comm_time
+    from rsclip_ds.planning.planner import step_time
+    from rsclip_ds.planning.teacher import traffic
+
+    parted = teacher_plan("git-rsclip-large", placement="zero3")
+    zero3 = load_profile("zero3")
+    alone, taught = (step_time(student, zero3, "bf16", False, 32, 4, budget, teacher=t) for t in (None, parted))
+    gathers = traffic(parted, 4)
+    assert gathers[0].size == 4 * 2 * teacher.spec.params and gathers[0].op == "all_gather"
+    assert taught.comm.total_s - alone.comm.total_s == pytest.approx(comm_time(gathers, 1, 8).total_s, rel=1e-9)
 
 
 def test_plan_takes_a_teacher(capsys):
