@@ -105,6 +105,9 @@ THROUGHPUT = (
     Family("patch-dropout", "Patch dropout 0 / 0.5 / 0.75: samples/s, activations, quality at equal compute",
            throughput.patch_dropout, (
                Source("patch_dropout.json", ds(2, "throughput.patch_dropout", f"--out {R}/patch_dropout.json")),)),
+    Family("distill", "Distillation: samples/s and seconds per step with and without a teacher",
+           throughput.distill, (
+               Source("distill.json", ds(2, "throughput.distill", f"--out {R}/distill.json")),)),
     Family("gpu", "One GPU: samples/s, MFU, peak memory", throughput.gpu, (
         Source("gpu_h200.json", py("gpu", f"--out {R}/gpu_h200.json")),
         Source("gpu_h200_loader.json", py("gpu", f"--profiles zero2 --ac off --data tensor loader "

@@ -39,12 +39,17 @@ def _inputs(engine, batch: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return pixel_values, input_ids
 
 
-def train_step(engine, batch: dict, loss_fn: Callable, dtype: torch.dtype) -> torch.Tensor:
+def train_step(engine, batch: dict, loss_fn: Callable, dtype: torch.dtype, distiller=None) -> torch.Tensor:
     """One micro-batch ('plain' accumulation): forward, loss, backward; engine.step() updates
     only at the accumulation boundary (engine.backward divides the loss by the accumulation
-    steps). The loss sees micro x world samples."""
+    steps). The loss sees micro x world samples. ``distiller`` (rsclip_ds.distill): the
+    teacher's embeddings first (no graph: its activations are gone before the student's
+    forward), its weighted term added to the loss."""
+    targets = distiller.targets(batch, engine.device) if distiller is not None else None
     image, text, logit_scale, logit_bias = engine(*_inputs(engine, batch, dtype))     # (B,D) x2
     loss = loss_fn(image, text, logit_scale, logit_bias)
+    if distiller is not None:
+        loss = loss + distiller.loss(image, text, logit_scale, targets)
     engine.backward(loss)
     engine.step()
     return loss.detach()
@@ -75,7 +80,8 @@ def _set_rng_state(state, accelerator=None) -> None:
         device.set_rng_state(state[1])
 
 
-def train_step_global(engine, batches: list[dict], loss_fn: Callable, dtype: torch.dtype) -> torch.Tensor:
+def train_step_global(engine, batches: list[dict], loss_fn: Callable, dtype: torch.dtype,
+                      distiller=None) -> torch.Tensor:
     """k micro-batches as one batch of k x micro x world samples ('global' accumulation, the
     GradCache scheme of Gao et al. 2021):
       1. embed every micro-batch without a graph (saving the RNG state before each);
@@ -85,10 +91,14 @@ def train_step_global(engine, batches: list[dict], loss_fn: Callable, dtype: tor
     Peak activation memory stays that of one micro-batch; the cost is one extra forward. Each
     pass moves a micro-batch to the device when it uses it: one micro-batch of inputs on the
     device at a time (the CPU batches are kept), for a second host-to-device copy of the pixels
-    (uint8: 24 MiB for 128 x 256 px)."""
-    states, images, texts = [], [], []
+    (uint8: 24 MiB for 128 x 256 px). A ``distiller``'s teacher embeds each micro-batch once,
+    in pass 1 (no graph, eval mode: it draws no random numbers), and its term joins the loss of
+    step 2; pass 3 needs no teacher."""
+    states, images, texts, targets = [], [], [], []
     with torch.no_grad():
         for batch in batches:
+            if distiller is not None:
+                targets.append(distiller.targets(batch, engine.device))              # (B, D_t) x2
             states.append(_rng_state())
             image, text, logit_scale, logit_bias = engine(*_inputs(engine, batch, dtype))
             images.append(image.float())
@@ -101,6 +111,8 @@ def train_step_global(engine, batches: list[dict], loss_fn: Callable, dtype: tor
     scale = logit_scale.detach().float().requires_grad_(module.logit_scale.requires_grad)
     bias = logit_bias.detach().float().requires_grad_(module.logit_bias.requires_grad)
     loss = loss_fn(all_image, all_text, scale, bias)
+    if distiller is not None:   # the teacher's (k*B, D_t) embeddings, in the order of all_image
+        loss = loss + distiller.loss(all_image, all_text, scale, [torch.cat(t) for t in zip(*targets)])
     loss.backward()   # includes the cross-rank exchange: features of all ranks get their gradient
     sizes = [len(i) for i in images]
     grad_image, grad_text = all_image.grad.split(sizes), all_text.grad.split(sizes)
@@ -263,12 +275,12 @@ def _nonfinite_run(losses: list[float]) -> int:
 
 
 def optimizer_step(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
-                   accumulation: str, dtype: torch.dtype) -> torch.Tensor:
+                   accumulation: str, dtype: torch.dtype, distiller=None) -> torch.Tensor:
     """One optimizer step over `sizes.accumulation` micro-batches -> the step's loss."""
     micro = [next(batches) for _ in range(sizes.accumulation)]
     if accumulation == "global" and sizes.accumulation > 1:
-        return train_step_global(engine, micro, loss_fn, dtype)
-    return torch.stack([train_step(engine, b, loss_fn, dtype) for b in micro]).mean()
+        return train_step_global(engine, micro, loss_fn, dtype, distiller)
+    return torch.stack([train_step(engine, b, loss_fn, dtype, distiller) for b in micro]).mean()
 
 
 def client_state(step: int, result: TrainResult, data: dict | None) -> dict[str, Any]:
@@ -307,13 +319,14 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
           hooks: Sequence[Callable[[int, Any], dict | None]] = (), checkpointer=None,
           guard: Guard | None = None, loader=None, resume: dict | None = None,
           stop_after: int | None = None, metrics: MetricsLog | None = None,
-          data_wait: DataWaitWatch | None = None) -> TrainResult:
+          data_wait: DataWaitWatch | None = None, distiller=None) -> TrainResult:
     """Steps `start+1 .. steps`. `hooks(step, engine)` run on every rank after each optimizer
     step; the dicts they return are logged and kept in result.evals. `loader` (optional)
     gives `state_dict()` for checkpoints and `bad_data()` for the counts; `resume` is this
     rank's saved client state; `stop_after` ends the loop after that step (checkpoint saved).
     `metrics` gets a line per log step and evaluation (rank 0's writes; no-op elsewhere);
-    `data_wait` warns about a rank waiting for data far more than the others.
+    `data_wait` warns about a rank waiting for data far more than the others; `distiller` adds
+    a teacher's term to every step's loss (rsclip_ds.distill).
     Host syncs happen only at sync points (log, save, stop check)."""
     guard = guard or Guard()
     metrics = metrics or MetricsLog("", enabled=False)
@@ -335,7 +348,7 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
     for step in range(start + 1, last + 1):
         guard.before_step(step, rank, world, loader)
         result.lrs.append(float(engine.get_lr()[0]))
-        loss = optimizer_step(engine, batches, loss_fn, sizes, accumulation, dtype)
+        loss = optimizer_step(engine, batches, loss_fn, sizes, accumulation, dtype, distiller)
         pending.append(guard.loss_hook(step, loss, rank))
         if step == start + 1:
             t_first = time.perf_counter()   # excludes lazy init / first-call overheads

@@ -33,6 +33,7 @@ from rsclip_ds.runtime.distributed import (DistInfo, StopFlag, accelerator_is_gp
                                    configure_logging, configure_wandb_offline, destroy_distributed,
                                    init_distributed, set_threads_per_rank,
                                    process_group_exists, seconds_since_process_start, world_size_from_env)
+from rsclip_ds.distill.teacher import Distiller, check_distill, load_teacher
 from rsclip_ds.engine import build_engine, lr_scheduler, set_fp32_masters
 from rsclip_ds.evaluation.hook import build_eval_hook
 from rsclip_ds.finetune import apply_finetune, param_groups
@@ -66,6 +67,7 @@ def check_run(run: RunConfig, *, shards: bool = True) -> tuple[Profile, dict]:
     profile = load_profile(run.profile)
     ds_config = build_ds_config(run, profile, world_size_from_env(), on_gpu=accelerator_is_gpu())
     check_source(run.model)
+    check_distill(run.distill, ds_config.get("zero_optimization", {}).get("stage", 0))
     for key in ("inject_data_delay_rank", "inject_rank"):
         rank = getattr(run.faults, key)
         if rank is not None and rank >= world_size_from_env():
@@ -99,6 +101,7 @@ class Parts:
     guard: Guard
     hooks: list[Hook]
     resume: dict | None         # this rank's saved client state
+    distiller: Distiller | None = None   # distill.teacher's term (rsclip_ds.distill)
 
 
 class Trainer:
@@ -187,6 +190,7 @@ class Trainer:
             if ac:
                 apply_activation_checkpointing(bundle.model)
             dropout = apply_patch_dropout(bundle.model, run.model.patch_dropout)
+        teacher, teacher_inputs = self._teacher() if run.distill.teacher is not None else (None, None)
         self.checkpoint_bytes = checkpoint_bytes(*param_counts(bundle.model), run.precision, run.bf16.master_weights,
                                                  self.ds_config.get("zero_optimization", {}).get("stage", 0))
         if info.rank == 0:
@@ -223,7 +227,8 @@ class Trainer:
                 run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
                 max_text_length=bundle.max_text_length, micro_batch_size=batch.micro,
                 rank=info.rank, world_size=info.world_size, seed=run.seed, local_world_size=info.local_world_size,
-                state=resume["data"] if resume else None, pin_memory=info.on_gpu, cache_dir=run.output_dir)
+                state=resume["data"] if resume else None, pin_memory=info.on_gpu, cache_dir=run.output_dir,
+                teacher=teacher_inputs)
             if self.loader is None:   # its workers hand batches over /dev/shm: fail now, not with SIGBUS later
                 check_shared_memory(loader, held=batch.accumulation, local_ranks=info.local_world_size)
             if hasattr(loader, "on_worker_death"):   # a dead worker: an agreed stop with a checkpoint
@@ -236,8 +241,25 @@ class Trainer:
             loader = self.wrap_loader(loader)
         loss_fn = build_loss(run.loss.name, negatives=run.loss.negatives, rank=info.rank,
                              world_size=info.world_size, chunk_size=run.loss.chunk_size)
-        self.parts = Parts(batch, bundle, ac, engine, checkpointer, loader, loss_fn, self._guard(), hooks, resume)
+        distiller = teacher and Distiller(teacher, run.distill.weight, run.loss.name, info.rank,
+                                          1 if run.loss.negatives == "local" else info.world_size)
+        self.parts = Parts(batch, bundle, ac, engine, checkpointer, loader, loss_fn, self._guard(), hooks, resume,
+                           distiller)
         return self.parts
+
+    def _teacher(self):
+        """distill.teacher, frozen on this rank's device (or partitioned: distill.placement) -> (the
+        teacher, the inputs the loader makes for it)."""
+        from deepspeed.accelerator import get_accelerator   # the engine's device, before the engine
+
+        d, info = self.run.distill, self.info
+        with self._phase("teacher"):
+            teacher, inputs = load_teacher(d, device=get_accelerator().current_device_name(), on_gpu=info.on_gpu,
+                                           local_rank=info.local_rank, ds_config=self.ds_config)
+        if info.rank == 0:
+            log.info("distilling from %s: %s, %s, weight %g", d.teacher, d.placement,
+                     next(getattr(teacher, "module", teacher).parameters()).dtype, d.weight)
+        return teacher, inputs
 
     def _checkpointer(self, bundle: ModelBundle) -> Checkpointer:
         run = self.run
@@ -296,7 +318,8 @@ class Trainer:
                            reporter, accumulation=run.batch.accumulation, hooks=p.hooks,
                            checkpointer=p.checkpointer, guard=p.guard, loader=p.loader,
                            resume=p.resume, stop_after=run.checkpoint.stop_after, metrics=metrics,
-                           data_wait=DataWaitWatch(lg.data_wait_warn_fraction, lg.data_wait_warn_ratio))
+                           data_wait=DataWaitWatch(lg.data_wait_warn_fraction, lg.data_wait_warn_ratio),
+                           distiller=p.distiller)
         except DiskFullError as err:   # raised by the checkpointer on every rank, with one message
             raise DiskFull(str(err)) from None
         finally:

@@ -125,3 +125,21 @@ def patch_dropout(files: dict) -> list[str]:
                   "retrieval mean recall"], rows)
     chance = rep["rows"][0]["chance_zero_shot_top1"] if rep["rows"] else None
     return out + [f"Zero-shot top-1 of the untrained model (step 0): {pct(chance, 1)}.", ""]
+
+
+def distill(files: dict) -> list[str]:
+    """A row per (accumulation, teacher) case: samples/s and seconds per step; the teacher's cost as the
+    samples/s ratio paired within each repeat, beside the FLOPs count's prediction."""
+    rep = files["distill.json"]
+    c = rep["config"]
+    out = ([f"**Preliminary**: {rep['preliminary']}", ""] if rep.get("preliminary") else [])
+    out += [f"Student: {c['student']} ({c['parameters']['student']:,} parameters); teacher: {c['teacher']} "
+            f"({c['parameters']['teacher']:,}). `{c['profile']}`, {c['precision']}, micro {c['micro']} x "
+            f"{c['accumulation_steps']} micro-batches per step x {rep['environment']['world_size']} ranks, "
+            f"{c['steps']} steps (timed 2..{c['steps']}) x {c['repeats']} interleaved repeats; {c['data']}:", ""]
+    out += table(["case", "samples/s median (min..max)", "s/step median (min..max)"],
+                 [[name, spread(r["samples_per_s"], sig), spread(r["seconds_per_step"], sig)]
+                  for name, r in rep["summary"]["cases"].items()])
+    out += ["Samples/s with the teacher over without, paired per repeat, and the matmul FLOPs count's ratio:", ""]
+    return out + table(["accumulation", "measured median (min..max)", "planned (FLOPs)"],
+                       [[acc, spread(r, fix), fix(r["planned"])] for acc, r in rep["summary"]["ratios"].items()])

@@ -69,7 +69,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="fine-tuning controls, as for `rsclip-ds train` (locked towers and LoRA have no "
                    "gradients or optimizer states for their frozen weights), e.g. --set finetune.lock_image=true "
                    "or --set 'finetune.lora.towers=[image,text]'; and model.patch_dropout (the image tower's "
-                   "FLOPs and activations on the kept patches), e.g. --set model.patch_dropout=0.5")
+                   "FLOPs and activations on the kept patches), e.g. --set model.patch_dropout=0.5; and distill.teacher "
+                   "(a preset or a SigLIP folder), distill.dtype, distill.placement: the teacher's weights, inputs, "
+                   "forward and FLOPs, e.g. --set distill.teacher=git-rsclip-large")
     p.add_argument("--json", action="store_true", help="print rows and the recommendation as JSON")
     p.add_argument("--write-config", type=Path, metavar="PATH",
                    help="write the recommended row's resolved DeepSpeed JSON here and print the launch command")
@@ -91,9 +93,10 @@ def _plan_config(args):
     """The --set fine-tuning controls and patch dropout, validated as the run config validates them."""
     from rsclip_ds.config import load_config
 
-    wrong = [s for s in args.set if not s.startswith(("finetune.", "model.patch_dropout="))]
+    wrong = [s for s in args.set if not s.startswith(("finetune.", "model.patch_dropout=", "distill."))]
     if wrong:
-        raise ConfigError(f"rsclip-ds plan --set takes finetune.* keys and model.patch_dropout only, not {wrong}")
+        raise ConfigError(f"rsclip-ds plan --set takes finetune.* and distill.* keys and model.patch_dropout only, "
+                          f"not {wrong}")
     return load_config(None, args.set)
 
 
@@ -153,6 +156,7 @@ def _run(args):
     from rsclip_ds.planning.dropout import with_patch_dropout
     from rsclip_ds.planning.memory import preset_spec, scaled_spec
     from rsclip_ds.planning.planner import Budget, Hardware, plan, recommend
+    from rsclip_ds.planning.teacher import teacher_plan
     from rsclip_ds.profiles import available_profiles
 
     run_config = _plan_config(args)
@@ -163,6 +167,8 @@ def _run(args):
         raise ConfigError(f"--master-weights {args.master_weights} applies to --precision bf16 only")
     spec = scaled_spec(args.params) if args.params else preset_spec(args.model, finetune)
     spec = with_patch_dropout(spec, run_config.model.patch_dropout)
+    d = run_config.distill
+    teacher = teacher_plan(d.teacher, d.dtype, d.placement) if d.teacher else None
     budget = Budget(args.gpus, args.nodes, parse_bytes(args.gpu_mem),
                     parse_bytes(args.cpu_mem) if args.cpu_mem else None)
     try:
@@ -174,7 +180,7 @@ def _run(args):
         hw = Hardware(intra_bw=args.intra_bw * 1e9, inter_bw=inter, overlap=args.overlap)
         rows = plan(spec, budget, args.global_batch, args.precision, loss=args.loss,
                     negatives=args.negatives, accumulation=args.accumulation, hw=hw, master=args.master_weights,
-                    comm=args.communication_data_type)
+                    comm=args.communication_data_type, teacher=teacher)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     best = recommend(rows)

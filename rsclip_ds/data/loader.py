@@ -200,22 +200,31 @@ class Collate:
     256 px on this CPU: 18 ms per batch, against 22 ms for writing (B,3,S,S) (a strided copy) and
     80 ms for the normalised float32 this replaced (4x the bytes: 96 MiB a batch instead of 24)."""
 
-    def __init__(self, tokenizer, max_text_length: int, micro: int, return_keys: bool = False):
+    def __init__(self, tokenizer, max_text_length: int, micro: int, return_keys: bool = False, teacher=None):
         self.tokenizer, self.max_text_length, self.micro = tokenizer, max_text_length, micro
-        self.return_keys = return_keys
+        self.return_keys, self.teacher = return_keys, teacher   # teacher: distill.teacher.TeacherInputs
 
     def __call__(self, items: list[tuple]) -> dict:
-        b, (s, s2, _) = len(items), items[0][0].shape
-        tensor = torch.empty((b, s, s2, 3), dtype=torch.uint8)
-        if get_worker_info() is not None:   # written once, straight into memory the main process maps
-            storage = tensor._typed_storage()._new_shared(tensor.numel(), device="cpu")   # as default_collate
-            tensor = tensor.new(storage).resize_((b, s, s2, 3))
-        np.stack([it[0] for it in items], out=tensor.numpy())                    # (B, S, S, 3) u8
-        batch = {"pixel_values": tensor.permute(0, 3, 1, 2),                      # (B, 3, S, S) view
-                 "input_ids": tokenize(self.tokenizer, [it[1] for it in items], self.max_text_length)}
+        captions = [it[1] for it in items]
+        batch = {"pixel_values": _stack([it[0] for it in items]),                  # (B, 3, S, S) view
+                 "input_ids": tokenize(self.tokenizer, captions, self.max_text_length)}
+        if self.teacher is not None:   # the same views at the teacher's size (SampleDecoder.views)
+            batch["teacher_pixel_values"] = _stack([it[3] for it in items])       # (B, 3, T, T) view
+            batch["teacher_input_ids"] = tokenize(self.teacher.tokenizer, captions, self.teacher.max_text_length)
         if self.return_keys:
             batch["keys"] = [it[2] for it in items]
         return batch
+
+
+def _stack(arrays: list[np.ndarray]) -> torch.Tensor:
+    """[(S, S, 3) uint8] -> the (B, 3, S, S) view of one (B, S, S, 3) tensor (shared in a worker)."""
+    b, (s, s2, _) = len(arrays), arrays[0].shape
+    tensor = torch.empty((b, s, s2, 3), dtype=torch.uint8)
+    if get_worker_info() is not None:   # written once, straight into memory the main process maps
+        storage = tensor._typed_storage()._new_shared(tensor.numel(), device="cpu")   # as default_collate
+        tensor = tensor.new(storage).resize_((b, s, s2, 3))
+    np.stack(arrays, out=tensor.numpy())                                          # (B, S, S, 3) u8
+    return tensor.permute(0, 3, 1, 2)
 
 
 # --------------------------------------------------------------------------- the loader
@@ -325,9 +334,11 @@ class TrainLoader:
 
     @property
     def batch_bytes(self) -> int:
-        """Bytes of one batch in shared memory: uint8 pixels (B,3,S,S) and int64 token ids (B,L)."""
-        size = self.prep.transform.size
-        return self.collate.micro * (3 * size * size + 8 * self.collate.max_text_length)
+        """Bytes of one batch in shared memory: uint8 pixels (B,3,S,S) and int64 token ids (B,L), and
+        a distillation teacher's (B,3,T,T) and (B,L_t)."""
+        sizes, teacher = self.prep.views or (self.prep.transform.size,), self.collate.teacher
+        lengths = self.collate.max_text_length + (teacher.max_text_length if teacher is not None else 0)
+        return self.collate.micro * (sum(3 * s * s for s in sizes) + 8 * lengths)
 
     # ---- iteration
     def _dataloader(self) -> DataLoader:
@@ -420,7 +431,7 @@ def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_
                        micro_batch_size: int, rank: int, world_size: int, seed: int,
                        return_keys: bool = False, state: dict | None = None, local_world_size: int = 1,
                        cores: int | None = None, pin_memory: bool = False,
-                       cache_dir: str | Path | None = None) -> TrainLoader:
+                       cache_dir: str | Path | None = None, teacher=None) -> TrainLoader:
     """Endless iterable of full micro-batches for ``rank`` (see the module docstring).
 
     ``local_world_size`` (ranks on this node) and ``cores`` (default: this process's
@@ -432,7 +443,9 @@ def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_
     ValueError that names the difference. ``state={"remap_from": [s_0, ..., s_{W-1}]}`` (every
     old rank's state, by old rank) continues a run saved on W ranks on ``world_size`` ranks, with
     any workers and micro batch (remap.py; seed, shards, policy must match). ``cache_dir`` (the
-    run's output_dir): where 'exact' + data.where caches the kept counts (filter_counts.py)."""
+    run's output_dir): where 'exact' + data.where caches the kept counts (filter_counts.py). ``teacher``
+    (distill.teacher.TeacherInputs): batches also carry ``teacher_pixel_values`` (the same views at the
+    teacher's image size) and ``teacher_input_ids`` (the teacher's tokenizer and text length)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
     workers, why = _requested_workers(cfg, state, available_cores() if cores is None else cores, local_world_size)
@@ -449,9 +462,10 @@ def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_
     elif not why and schedule.policy == "exact" and workers > used:
         log.warning("rank %d has %d shard(s) for data.num_workers=%d; using %d worker(s) so that "
                     "none idles", rank, shards, workers, used)
-    prep = SampleDecoder(ImageTransform.from_config(image_size, cfg), _split_keys(cfg.image_key),
-                         _split_keys(cfg.caption_key), Where.parse(cfg.where) if cfg.where else None)
-    collate = Collate(tokenizer, max_text_length, micro_batch_size, return_keys)
+    views = (image_size, teacher.image_size) if teacher is not None else None
+    prep = SampleDecoder(ImageTransform.from_config(max(views or (image_size,)), cfg), _split_keys(cfg.image_key),
+                         _split_keys(cfg.caption_key), Where.parse(cfg.where) if cfg.where else None, views)
+    collate = Collate(tokenizer, max_text_length, micro_batch_size, return_keys, teacher)
     loader = TrainLoader(schedule, rank, cfg, prep, collate, state=state, pin_memory=pin_memory)
     loader.local_world_size = local_world_size
     return loader

@@ -98,6 +98,17 @@ def resize_bicubic_fast(pixels: np.ndarray, size: int) -> np.ndarray:
     return out[0].numpy()
 
 
+def two_views(pixels: np.ndarray, size: int, teacher_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 (M, M, 3) at M = max(size, teacher_size) -> (student (S, S, 3), teacher (T, T, 3)):
+    a distillation teacher sees the student's crop and flips. The transform runs once, at the
+    larger size; the model at that size gets its pixels unchanged, the other one a resize of them
+    (resize_bicubic_fast: 256 -> 224 for a Git-RSCLIP-large teacher of a base student)."""
+    def at(n: int) -> np.ndarray:
+        return pixels if pixels.shape[0] == n else resize_bicubic_fast(np.ascontiguousarray(pixels), n)
+
+    return at(size), at(teacher_size)
+
+
 # Grey levels (0-255) between resize_bicubic_fast and PIL's bicubic of the same pixels, measured on
 # synthetic scenes and uniform noise (the worst case), shrinking and enlarging; held by
 # tests/unit/test_transforms.py. "portrait": H > W, where Pillow may run the passes the other way
@@ -224,12 +235,14 @@ class Normalize:
 
 @dataclass
 class SampleDecoder:
-    """Raw sample bytes -> (uint8 (S, S, 3) pixels, caption, key) or None (counted as bad)."""
+    """Raw sample bytes -> (uint8 (S, S, 3) pixels, caption, key) or None (counted as bad);
+    with ``views`` = (S, T) a distillation teacher's (T, T, 3) pixels of the same view follow."""
 
     transform: ImageTransform
     image_keys: list[str]
     caption_keys: list[str]
     where: Where | None = None     # data.where over the sample's JSON member (where.py)
+    views: tuple[int, int] | None = None   # (student, teacher) sizes; transform.size is the larger
 
     def keep(self, sample: dict, counter: StreamCounter) -> bool:
         """data.where: False (counted as filtered_out, no example logged) when the sample's JSON
@@ -280,4 +293,7 @@ class SampleDecoder:
         except IMAGE_ERRORS as err:
             counter.report("corrupt_image", where, f"{type(err).__name__}: {err}")
             return None
+        if self.views is not None:   # distillation: both models' pixels of one view (two_views)
+            student, teacher = two_views(pixels, *self.views)
+            return student, caption, sample["__key__"], teacher
         return pixels, caption, sample["__key__"]

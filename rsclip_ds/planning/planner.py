@@ -26,6 +26,8 @@ from functools import lru_cache
 
 from rsclip_ds.planning import comms
 from rsclip_ds.planning.memory import BYTES, GiB, ModelSpec, Peak, model_state_bytes, peak
+from rsclip_ds.planning.teacher import forward_flops, with_teacher
+from rsclip_ds.planning.teacher import traffic as teacher_traffic
 
 # Hybrid ZeRO-3 strategies by profile name: zero_optimization keys added to zero3's block;
 # "per_node" becomes the budget's GPUs per node (hpZ's secondary group, MiCS's shard group).
@@ -167,7 +169,7 @@ def train_flops(spec: ModelSpec, samples: int, checkpointing: bool, cached_forwa
 
 def step_time(spec: ModelSpec, prof, precision: str, checkpointing: bool, micro: int, accum: int,
               budget: Budget, accumulation: str = "global", hw: Hardware = Hardware(), loss: str = "siglip",
-              negatives: str = "global", comm: str = "auto") -> StepTime:
+              negatives: str = "global", comm: str = "auto", teacher=None) -> StepTime:
     """Seconds per optimizer step of `prof` (profiles.Profile), by part:
       compute  `train_flops` of micro x accum samples at hw.flops (fp32 at a quarter);
       network  comms.step_traffic (what DeepSpeed 0.19.8 sends per step, the loss's features
@@ -175,20 +177,24 @@ def step_time(spec: ModelSpec, prof, precision: str, checkpointing: bool, micro:
                hw.inter_bw; a hierarchical collective takes the slower level); hw.overlap of
                min(compute, network) is hidden;
       PCIe     optimizer offload: g Ψ/G per micro-batch out, p Ψ/G per step in; parameter
-               offload 2p Ψ/G more per micro-batch; CPU Adam on the node's n Ψ/G parameters."""
+               offload 2p Ψ/G more per micro-batch; CPU Adam on the node's n Ψ/G parameters.
+    ``teacher`` (planning.teacher.TeacherPlan): its forward per sample joins the compute, its
+    weights' all-gathers (zero3 placement) the network."""
     from rsclip_ds.profiles import wire_dtype   # the run's distributed.communication_data_type, resolved
 
     p, g, _ = BYTES[precision]
     psi, G, t, stage = spec.params, budget.gpus, spec.trainable, prof.stage
     flops = train_flops(spec, micro * accum, checkpointing, accumulation == "global" and accum > 1)
     compute = flops / (hw.flops / (4 if precision == "fp32" else 1))
+    if teacher is not None:
+        compute += forward_flops(teacher) * micro * accum / (hw.flops / (4 if teacher.dtype == "fp32" else 1))
     traffic = comms.step_traffic(
         psi, t, stage=stage, world=G, accumulation=accum, precision=precision,
         comm_dtype=wire_dtype(comm, prof), zero=prof.strategy.get("zero_optimization", {}),
         persistent=spec.small_params if stage == 3 else 0, accumulation_mode=accumulation,
         checkpointed=spec.layer_params if checkpointing and stage == 3 else 0,
         loss=comms.LossTraffic(loss, negatives, micro, spec.embed_dim), gpus_per_node=budget.gpus_per_node)
-    net = comms.comm_time(traffic, budget.nodes, budget.gpus_per_node, hw.intra_bw, hw.inter_bw)
+    net = comms.comm_time(traffic + teacher_traffic(teacher, accum), budget.nodes, budget.gpus_per_node, hw.intra_bw, hw.inter_bw)
     part, tpart = psi / G, t / G
     pcie = (g * tpart * accum + p * tpart) * prof.offload_optimizer + 2 * p * part * accum * prof.offload_param
     cpu = tpart * budget.gpus_per_node / hw.cpu_adam if prof.offload_optimizer else 0.0
@@ -205,10 +211,11 @@ def step_seconds(*args, **kwargs) -> float:
 def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "bf16",
          profiles: list[str] | None = None, loss: str = "siglip", negatives: str = "global",
          accumulation: str = "global", hw: Hardware = Hardware(), grad_accum: str = "auto",
-         master: str = "fp32", comm: str = "auto") -> list[Row]:
+         master: str = "fp32", comm: str = "auto", teacher=None) -> list[Row]:
     """One row per (profile, activation checkpointing), fastest first. ``grad_accum``: the run's
     bf16.grad_accum_dtype (auto: the profile's measured choice); ``master``: its bf16.master_weights;
-    ``comm``: its distributed.communication_data_type (the gradient bytes on the wire)."""
+    ``comm``: its distributed.communication_data_type (the gradient bytes on the wire); ``teacher``: a
+    distillation teacher's planning.teacher.TeacherPlan (its weights, inputs, forward and FLOPs)."""
     from rsclip_ds.profiles import available_profiles, load_profile
 
     if global_batch % budget.gpus:
@@ -231,10 +238,11 @@ def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "b
                                      shard=max(0, int(zero.get("mics_shard_size", -1) or -1))).cpu_node
         for ac in (False, True):
             def at(m: int) -> Peak:   # micro m, as many micro-batches as the per-rank batch needs
-                return peak(spec, prof, precision, budget.gpus, budget.gpus_per_node, micro=m,
-                            accumulation_steps=math.ceil(per_rank / m), checkpointing=ac, loss=loss,
-                            negatives=negatives, accumulation=accumulation, grad_accum=grad_accum,
-                            master=master)
+                accum_m = math.ceil(per_rank / m)
+                return with_teacher(peak(spec, prof, precision, budget.gpus, budget.gpus_per_node, micro=m,
+                                         accumulation_steps=accum_m, checkpointing=ac, loss=loss,
+                                         negatives=negatives, accumulation=accumulation, grad_accum=grad_accum,
+                                         master=master), teacher, budget.gpus, m, accum_m, accumulation)
             lo, hi = 0, per_rank                      # largest m whose peak fits (monotonic in m)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
@@ -243,7 +251,7 @@ def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "b
             micro, accum = accumulation_for(per_rank, lo) if lo else (0, 0)
             used = at(max(micro, 1))
             st = step_time(spec, prof, precision, ac, max(micro, 1), max(accum, 1), budget, accumulation, hw,
-                           loss, negatives, row_comm)
+                           loss, negatives, row_comm, teacher)
             rows.append(Row(name, ac, bool(lo) and cpu_ok, lo, micro, accum, round(used.reserved / GiB, 2),
                             round(used.allocated / GiB, 2), used.phase, round(cpu_node / GiB, 2), st.total,
                             compute_s=st.compute, comm_intra_s=st.comm.intra_s, comm_inter_s=st.comm.inter_s,

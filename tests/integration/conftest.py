@@ -20,6 +20,24 @@ def launch_data(tmp_path_factory):
     return {"shards": index["train_pattern"], "tokenizer": str(out / "tokenizer")}
 
 
+@pytest.fixture(scope="session")
+def launch_teacher(launch_data, tmp_path_factory):
+    """A distillation teacher folder unlike `tiny`: 96 wide, 48 px images (the loader resizes the
+    student's 64 px view for it), 32 text tokens, the launch data's tokenizer."""
+    from transformers import SiglipConfig
+
+    from rsclip_ds.model import load_tokenizer, new_dual_encoder, save_pretrained
+
+    tokenizer = load_tokenizer(launch_data["tokenizer"])
+    shape = dict(hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2)
+    config = SiglipConfig(text_config=dict(shape, max_position_embeddings=32, vocab_size=len(tokenizer), pad_token_id=1,
+                                           bos_token_id=None, eos_token_id=1),
+                          vision_config=dict(shape, image_size=48, patch_size=8))
+    folder = tmp_path_factory.mktemp("teacher")
+    save_pretrained(new_dual_encoder(config, seed=3), tokenizer, folder)
+    return str(folder)
+
+
 @pytest.fixture
 def launch(launch_data, tmp_path):
     """launch(*overrides, nproc=2) -> summary dict of a `deepspeed --num_gpus N` run."""

@@ -91,9 +91,13 @@ def test_bf16_trains(launch):
     assert s["loss_start"] - s["loss_end"] >= MIN_LOSS_DROP, s["losses"]
 
 
-def test_bf16_with_global_accumulation_and_clip_loss_trains(launch):
+def test_bf16_with_global_accumulation_and_clip_loss_trains(launch, launch_teacher):
+    """Also distilling, at a small weight, from a SigLIP teacher partitioned over the ranks by its
+    own ZeRO-3 engine (distill.placement=zero3): the Trainer, the loader's second view and the
+    teacher's engine in a real launch."""
     s = launch("profile=zero3", "precision=bf16", "loss.name=clip", "batch.micro_batch_size=8",
-               "batch.gradient_accumulation_steps=2", "batch.accumulation=global")
+               "batch.gradient_accumulation_steps=2", "batch.accumulation=global", f"distill.teacher={launch_teacher}",
+               "distill.placement=zero3", "distill.weight=0.1")
     assert (s["loss"], s["accumulation_mode"], s["micro_steps"]) == ("clip", "global", 60)
     assert s["loss_start"] - s["loss_end"] >= 1.0, s["losses"]   # InfoNCE starts at ln(32) ~ 3.5
 
