@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
+from rsclip_ds.compilation import CompileConfig
 from rsclip_ds.runtime.settings import DistributedConfig, FaultConfig, Strict
 
 
@@ -397,6 +398,7 @@ class RunConfig(Strict):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig,
                                            description="Ranks on a node and on the wire: threads per rank, the "
                                            "gradients' dtype in the reduction (docs/guides/clusters.md).")
+    compile: CompileConfig = Field(default_factory=CompileConfig, description="torch.compile of the model for training.")
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":

@@ -1,0 +1,142 @@
+"""compile.enabled (rsclip_ds/compilation.py): the Trainer's compiled run against the eager run on 2
+forked gloo ranks (ZeRO-2, fp32, tiny preset), and the refused combinations.
+
+The backend here is 'aot_eager': torch.compile's capture (dynamo) and autograd tracing (AOT
+autograd), run by eager kernels -- the whole path the Trainer wires, in seconds. inductor generates
+kernels (80 s for the tiny model on one CPU core): benchmarks/throughput/compile.py measures it.
+Tolerance: rtol 1e-5 on fp32 losses (aot_eager runs the same kernels, measured bit-equal; inductor
+reorders float sums: 1e-7 relative measured on `tiny`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rsclip_ds.config import ConfigError, load_config
+from rsclip_ds.compilation import CompileConfig, eager_hook, refusal
+from tests.unit.forked_ranks import run_ranks
+
+MICRO = 4
+
+
+def _batches(vocab: int, rank: int):
+    """The same fixed-shape micro-batches for the eager and the compiled run (per rank)."""
+    g = torch.Generator().manual_seed(rank)
+    while True:
+        yield {"pixel_values": torch.randint(0, 256, (MICRO, 3, 64, 64), dtype=torch.uint8, generator=g),
+               "input_ids": torch.randint(0, vocab, (MICRO, 40), generator=g)}
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _eval_forward(step: int, engine) -> None:
+    """What the evaluation hook does: eval mode, no grad, a short batch and the 1-item padding
+    dummy (evaluation/embed.py) -- shapes training never has."""
+    engine.eval()
+    with torch.no_grad():
+        engine(torch.zeros(3, 3, 64, 64, dtype=torch.uint8), torch.ones(3, 40, dtype=torch.long))
+        engine(torch.zeros(1, 3, 64, 64, dtype=torch.uint8), torch.ones(1, 1, dtype=torch.long))
+    engine.train()
+
+
+def _train(rank: int, world: int, out: str, tokenizer, compiled: bool) -> dict:
+    from torch._dynamo.utils import counters
+
+    from rsclip_ds.model import preset_bundle
+    from rsclip_ds.trainer import Trainer
+
+    counters.clear()
+    run = load_config(None, [
+        "profile=zero2", "precision=fp32", "steps=4", "seed=0", f"output_dir={out}", "optim.warmup_steps=2",
+        f"batch.micro_batch_size={MICRO}", "batch.gradient_accumulation_steps=2", "batch.accumulation=global",
+        "model.patch_dropout=0.5", "model.activation_checkpointing=true", "checkpoint.every=2",
+        "checkpoint.at_end=false", "logging.progress=plain", "logging.log_every=1",
+        f"compile.enabled={str(compiled).lower()}", "compile.backend=aot_eager"])
+    graphs: dict[int, int] = {}
+
+    def count(step: int, engine) -> None:   # after each optimizer step (and the save's step)
+        graphs[step] = _graphs()
+
+    hooks = [count, eager_hook(_eval_forward)]
+    with Trainer(run, model=preset_bundle("tiny", tokenizer, 0), loader=_batches(len(tokenizer), rank),
+                 hooks=hooks) as trainer:
+        summary = trainer.train()
+        keys = sorted(trainer.parts.engine.module.state_dict())
+    return {"losses": summary and summary["losses"], "lrs": summary and summary["lrs"],
+            "compile": summary and summary.get("compile"), "graphs": [graphs[s] for s in sorted(graphs)], "keys": keys[:3] + keys[-3:],
+            "recompiles": sum(counters["recompiles"].values())}
+
+
+def test_compiled_losses_equal_eager_and_nothing_recompiles_after_step_1(tmp_path, tiny_tokenizer):
+    """2 ranks, ZeRO-2, 'global' accumulation (a no-grad pass and a replay per micro-batch) with patch
+    dropout 0.5 (the kept patches drawn eagerly: the replay gets the same masks) and activation
+    checkpointing; the lr changes every step, a checkpoint is saved at step 2 and an eval-mode forward
+    of other shapes runs after each step (through eager_hook, as the Trainer runs the evaluation)."""
+    eager = run_ranks(_train, 2, tmp_path / "eager", str(tmp_path / "eager_run"), tiny_tokenizer, False,
+                      launcher_env=True, timeout=300)
+    compiled = run_ranks(_train, 2, tmp_path / "compiled", str(tmp_path / "compiled_run"), tiny_tokenizer, True,
+                         launcher_env=True, timeout=300)
+    for r in eager + compiled:
+        assert "error" not in r, r.get("traceback")
+    e, c = eager[0]["value"], compiled[0]["value"]
+    assert e["lrs"][1] != e["lrs"][0] and e["lrs"][3] != e["lrs"][2]   # warmup, then cosine: the lr changes
+    torch.testing.assert_close(torch.tensor(c["losses"]), torch.tensor(e["losses"]), rtol=1e-5, atol=0)
+    assert e["graphs"] == [0] * 5   # after steps 0..4; eager: nothing compiled (the counter counts)
+    for r in compiled:
+        g = r["value"]["graphs"]
+        assert g[0] == 0 and g[1] > 0 and g[1:] == [g[1]] * 4, g   # all graphs made in step 1; save, eval: none
+        assert r["value"]["recompiles"] == 0
+    assert c["keys"] == e["keys"]   # the compiled module's state dict keeps its names (checkpoints)
+    rec = c["compile"]
+    assert rec["backend"] == "aot_eager" and rec["compile_s"] > 0 and rec["first_step_s"] > rec["step_s"] > 0
+
+
+def test_eager_hook_keeps_evaluation_out_of_the_compiled_graphs():
+    """Without eager_hook an eval-mode forward of another shape compiles anew (the counter moves);
+    with it, nothing compiles and the output is the eager module's."""
+    from torch._dynamo.utils import counters
+
+    from rsclip_ds.model import new_dual_encoder, preset_config
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = new_dual_encoder(preset_config("tiny"), seed=0)
+    model.compile(backend="aot_eager", dynamic=False)
+    pixels, ids = torch.zeros(2, 3, 64, 64, dtype=torch.uint8), torch.ones(2, 40, dtype=torch.long)
+    model(pixels, ids)
+    trained = _graphs()
+    assert trained > 0
+
+    def forward(step, engine):
+        with torch.no_grad():
+            return engine.eval()(pixels[:1], ids[:1, :5])[0]
+
+    out = eager_hook(forward)(0, model)
+    assert _graphs() == trained
+    plain = new_dual_encoder(preset_config("tiny"), seed=0)   # the same weights, never compiled
+    torch.testing.assert_close(out, forward(0, plain), rtol=0, atol=0)
+    forward(0, model)
+    assert _graphs() > trained   # the same forward, compiled: a new graph
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("keys, fragment", [
+    (["profile=zero3"], "does not work with ZeRO-3"),
+    (["compile.backend=nonesuch"], "is not a torch.compile backend here"),
+    (["compile.mode=reduce-overhead"], "captures CUDA graphs"),
+    (["compile.backend=aot_eager", "compile.mode=max-autotune-no-cudagraphs"], "is an inductor option"),
+])
+def test_refused_combinations_name_the_reason_and_the_fix(keys, fragment):
+    from rsclip_ds.trainer import check_run
+
+    run = load_config(None, ["compile.enabled=true", *keys])
+    with pytest.raises(ConfigError, match=fragment):
+        check_run(run, shards=False)
+    assert refusal(CompileConfig(), zero_stage=3, on_gpu=False) is None   # off: nothing to refuse
+    for stage in (1, 2):
+        assert refusal(CompileConfig(enabled=True), zero_stage=stage, on_gpu=False) is None
