@@ -105,6 +105,8 @@ THROUGHPUT = (
     Family("patch-dropout", "Patch dropout 0 / 0.5 / 0.75: samples/s, activations, quality at equal compute",
            throughput.patch_dropout, (
                Source("patch_dropout.json", ds(2, "throughput.patch_dropout", f"--out {R}/patch_dropout.json")),)),
+    Family("compile", "Compilation: eager against compiled per profile", throughput.compile_profiles, (
+        Source("compile.json", ds(2, "throughput.compile", f"--out {R}/compile.json")),)),
     Family("gpu", "One GPU: samples/s, MFU, peak memory", throughput.gpu, (
         Source("gpu_h200.json", py("gpu", f"--out {R}/gpu_h200.json")),
         Source("gpu_h200_loader.json", py("gpu", f"--profiles zero2 --ac off --data tensor loader "
