@@ -1,7 +1,7 @@
 """Eager against compiled (compile.enabled) per ZeRO profile: samples/s, compile seconds, losses.
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module benchmarks.throughput.compile \\
-        --out benchmarks/results/compile.json    # ~25 min on 2 idle cores; --quick ~5 min
+        --out benchmarks/results/compile.json    # est. 15-25 min on 2 idle cores; --quick ~5
 
 The model is git-rsclip-base's shape -- 224 px images in 16 px patches (196 tokens), head dim 64,
 64 text tokens, its 32,000-token vocabulary -- cut in width (384) and depth (2 layers per tower)
