@@ -23,6 +23,7 @@ A profile the config check refuses (ZeRO-3) is a row with the reason, as the Tra
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -144,9 +145,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     with process_group(args.threads) as info:
         # cold compiles: a fresh inductor cache per rank (inductor reads the variable when it caches)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"rsclip_inductor_{info.rank}_")
+        cache = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"rsclip_inductor_{info.rank}_")
         say, t0 = rank0_print(info.rank), time.perf_counter()
-        rows = [profile_row(p, args, say) for p in args.profiles]
+        try:
+            rows = [profile_row(p, args, say) for p in args.profiles]
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
         report = {"config": {"model": f"git-rsclip-base shape, width {args.width}, {args.layers} layers per tower, "
                                       "224 px / 16 px patches (196 tokens), 64 text tokens, 32,000-token vocabulary",
                              "profiles": args.profiles, "backend": args.backend, "precision": args.precision,
