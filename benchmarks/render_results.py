@@ -108,6 +108,8 @@ THROUGHPUT = (
     Family("distill", "Distillation: samples/s and seconds per step with and without a teacher",
            throughput.distill, (
                Source("distill.json", ds(2, "throughput.distill", f"--out {R}/distill.json")),)),
+    Family("compile", "Compilation: eager against compiled per profile", throughput.compile_profiles, (
+        Source("compile.json", ds(2, "throughput.compile", f"--out {R}/compile.json")),)),
     Family("gpu", "One GPU: samples/s, MFU, peak memory", throughput.gpu, (
         Source("gpu_h200.json", py("gpu", f"--out {R}/gpu_h200.json")),
         Source("gpu_h200_loader.json", py("gpu", f"--profiles zero2 --ac off --data tensor loader "

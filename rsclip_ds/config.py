@@ -17,6 +17,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
 from rsclip_ds.distill.config import DistillConfig
+from rsclip_ds.compilation import CompileConfig
 from rsclip_ds.runtime.settings import DistributedConfig, FaultConfig, Strict
 
 
@@ -399,6 +400,7 @@ class RunConfig(Strict):
                                            description="Ranks on a node and on the wire: threads per rank, the "
                                            "gradients' dtype in the reduction (docs/guides/clusters.md).")
     distill: DistillConfig = Field(default_factory=DistillConfig, description="Distillation from a frozen teacher.")
+    compile: CompileConfig = Field(default_factory=CompileConfig, description="torch.compile of the model for training.")
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":

@@ -51,6 +51,15 @@ IMAGE_STD = (0.5, 0.5, 0.5)
 LOGIT_INIT = {"siglip": (math.log(10.0), -10.0), "clip": (math.log(1 / 0.07), 0.0)}
 
 
+@torch.compiler.assume_constant_result
+def _pixel_affine(mean: tuple[float, ...], std: tuple[float, ...]) -> tuple[list[float], list[float]]:
+    """normalize_pixels' per-channel (scales, shifts), each rounded to float32. A constant of the
+    model's mean and std for torch.compile (compilation.py): `.tolist()` of a float tensor would
+    break the graph at the start of every forward (eager: a plain call)."""
+    std_t, mean_t = torch.tensor(std, dtype=torch.float32), torch.tensor(mean, dtype=torch.float32)
+    return (1.0 / (255.0 * std_t)).tolist(), (-mean_t / std_t).tolist()
+
+
 def normalize_pixels(pixels: torch.Tensor, mean, std, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 RGB (B, 3, S, S), any strides -> contiguous ``dtype`` (B, 3, S, S), ``(x / 255 - mean) / std``.
 
@@ -61,8 +70,7 @@ def normalize_pixels(pixels: torch.Tensor, mean, std, dtype: torch.dtype = torch
     4 bytes per pixel on the device for the moment of the cast (96 MiB for 128 x 256 px).
     The per-channel constants go in as Python scalars: a (3,) tensor built on a GPU would be a
     host-to-device copy, which waits for the stream, in every forward."""
-    std_t, mean_t = torch.tensor(std, dtype=torch.float32), torch.tensor(mean, dtype=torch.float32)
-    scales, shifts = (1.0 / (255.0 * std_t)).tolist(), (-mean_t / std_t).tolist()   # float32 values
+    scales, shifts = _pixel_affine(tuple(mean), tuple(std))   # float32 values
     # uint8 made contiguous first: casting the channels-last view straight to a contiguous
     # float32 took 2.4x as long on this CPU (600 ms against 250 ms for 128 x 256 px)
     out = pixels.contiguous().to(torch.float32)                              # (B, 3, S, S) f32

@@ -50,9 +50,13 @@ class PatchDropout:
         keep = self.draw(batch, n, embeddings.device)                                 # (B, K)
         return embeddings.gather(1, keep.unsqueeze(-1).expand(-1, -1, dim))           # (B, K, D)
 
+    @torch.compiler.disable
     def draw(self, batch: int, n: int, device: torch.device) -> torch.Tensor:
         """(B, K) indices of the kept patches: the K largest of B x N uniform draws (a uniformly
-        random K-subset per image, as open_clip's PatchDropout draws it)."""
+        random K-subset per image, as open_clip's PatchDropout draws it). Eager under torch.compile
+        (compilation.py): inductor would draw from its own generator, so the masks would differ
+        from eager's and 'global' accumulation's replay would rest on two compiled graphs drawing
+        alike; eager, they come from the generator the replay restores."""
         scores = torch.rand(batch, n, device=device)                                   # (B, N)
         return scores.topk(kept_tokens(n, self.p), dim=1).indices                      # (B, K)
 

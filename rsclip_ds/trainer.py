@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from rsclip_ds.compilation import apply_compile, compile_line, eager_hook, refusal as compile_refusal
 from rsclip_ds.checkpoint import (Checkpointer, checkpoint_root, complete_tags, prepare_fresh_root,
                                   select_resume_tag, tag_for, write_hf_extras)
 from rsclip_ds.config import ConfigError, RunConfig
@@ -68,6 +69,10 @@ def check_run(run: RunConfig, *, shards: bool = True) -> tuple[Profile, dict]:
     ds_config = build_ds_config(run, profile, world_size_from_env(), on_gpu=accelerator_is_gpu())
     check_source(run.model)
     check_distill(run.distill, ds_config.get("zero_optimization", {}).get("stage", 0))
+    why = compile_refusal(run.compile, zero_stage=ds_config.get("zero_optimization", {}).get("stage", 0),
+                          on_gpu=accelerator_is_gpu())
+    if why:
+        raise ConfigError(why)
     for key in ("inject_data_delay_rank", "inject_rank"):
         rank = getattr(run.faults, key)
         if rank is not None and rank >= world_size_from_env():
@@ -202,6 +207,8 @@ class Trainer:
                      ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in trainable.items()))
         with self._phase("eval_sets"):
             eval_hook = build_eval_hook(run, bundle, info.rank, info.world_size)  # reads the eval sets now
+        if eval_hook and run.compile.enabled:   # eager: its batch shapes vary (compilation.py)
+            eval_hook = eager_hook(eval_hook)
         hooks = self.extra_hooks + ([eval_hook] if eval_hook else [])
         switch = dropout and PatchDropoutSwitch(dropout, run.steps, run.model.patch_dropout_off_last_steps, info.rank)
         hooks += [switch] if switch else []
@@ -210,6 +217,8 @@ class Trainer:
         with self._phase("engine"):
             engine = build_engine(bundle.model, self.ds_config, groups,
                                   lr_scheduler(o.warmup_steps, run.steps, o.min_lr_ratio))
+            if run.compile.enabled:   # lazy: the compilation happens in the first step (see _finish)
+                apply_compile(engine, run.compile)
         checkpointer = self._checkpointer(bundle)
         with self._phase("resume"):
             if tag is None:
@@ -360,8 +369,14 @@ class Trainer:
                                 activation_checkpointing=p.activation_checkpointing, loss=run.loss.name,
                                 negatives=run.loss.negatives, accumulation=run.batch.accumulation)
         summary["startup_s"] = {**self.startup, "total": sum(v for v in self.startup.values() if v)}
-        log.info("start-up %.1f s to the end of step 1: %s", summary["startup_s"]["total"],
-                 ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in self.startup.items() if v is not None))
+        compiled = ""
+        if run.compile.enabled:
+            step_s = p.batch.global_batch / result.samples_per_s if result.samples_per_s else None
+            line, summary["compile"] = compile_line(run.compile, result.first_step_s, step_s)
+            compiled = f"; {line}"
+        log.info("start-up %.1f s to the end of step 1: %s%s", summary["startup_s"]["total"],
+                 ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in self.startup.items() if v is not None),
+                 compiled)
         write_summary(summary, run.output_dir)
         print_summary(summary)
         plot_curves(summary, Path(run.output_dir) / "curves.png")   # skipped (one log line) without matplotlib

@@ -143,3 +143,28 @@ def distill(files: dict) -> list[str]:
     out += ["Samples/s with the teacher over without, paired per repeat, and the matmul FLOPs count's ratio:", ""]
     return out + table(["accumulation", "measured median (min..max)", "planned (FLOPs)"],
                        [[acc, spread(r, fix), fix(r["planned"])] for acc, r in rep["summary"]["ratios"].items()])
+
+
+def compile_profiles(files: dict) -> list[str]:
+    """A row per ZeRO profile: eager and compiled samples/s of each interleaved pair, their ratio, the
+    compile seconds (the start-up line's), the losses' agreement; a refused profile with its reason."""
+    rep = files["compile.json"]
+    c = rep["config"]
+    out = [f"{c['model']}; `{c['backend']}`, {c['precision']}, micro {c['micro']} per rank x "
+           f"{rep['environment']['world_size']} ranks, {c['steps']} steps per run, {c['repeats']} eager/compiled "
+           f"pair(s) per profile; {c['data']}. Samples/s over steps 2..{c['steps']}; compile s: the compiled run's "
+           "first step minus its mean later step (the first pair compiles cold, later pairs may hit inductor's "
+           "on-disk cache); loss diff: the largest relative difference of the per-step losses of a pair:", ""]
+    if c.get("note"):
+        out[0] = f"**{c['note']}** " + out[0]
+    rows = []
+    for r in rep["rows"]:
+        if r["status"] == "refused":
+            rows.append([f"`{r['profile']}`", "refused", "-", "-", "-", r["reason"]])
+            continue
+        rows.append([f"`{r['profile']}`", ", ".join(sig(v) for v in r["eager_samples_per_s"]),
+                     ", ".join(sig(v) for v in r["compiled_samples_per_s"]), fix(r["ratio_median"]),
+                     ", ".join(fix(v, 1) for v in r["compile_s"]), f"{r['loss_max_rel_diff']:.1e}"])
+    out += table(["profile", "eager samples/s", "compiled samples/s", "compiled / eager (median)", "compile s",
+                  "loss diff / refusal"], rows)
+    return out

@@ -18,7 +18,7 @@ from benchmarks import render_results as rr
 
 ROOT = Path(__file__).resolve().parents[2]
 ANCHORS = {      # other docs link to these anchors on these pages (`results/memory.md#memory-peak`): keep them
-    "throughput.md": ["throughput", "throughput-openclip", "patch-dropout", "distill", "gpu"],
+    "throughput.md": ["throughput", "throughput-openclip", "patch-dropout", "distill", "compile", "gpu"],
     "memory.md": ["memory", "memory-finetune", "memory-peak", "build-rss", "checkpoint-bytes", "step-faults"],
     "data.md": ["decode", "loader", "ingest", "leakage"],
     "comms.md": ["comms", "comms-hpz", "scaling", "heartbeat"],
@@ -117,8 +117,9 @@ def test_every_relative_link_on_the_pages_resolves():
      "contrastive", "1", "| 0.291 / 9.875 / 0.246 |"),
     ("distill.json", lambda r: r["summary"]["ratios"]["plain"].update(median=0.125, planned=0.875),
      "distill", "plain", "| 0.12 (0.43..0.44) | 0.88 |"),
+    ("compile.json", lambda r: r["rows"][0].update(ratio_median=2.5), "compile", "`zero2`", "| 2.50 |"),
 ], ids=["throughput", "throughput-run2", "memory", "memory-peak-rss", "comms", "comms-c10d", "memory-peak",
-        "a100-overlap-1", "contrastive-step-s", "distill-ratio"])
+        "a100-overlap-1", "contrastive-step-s", "distill-ratio", "compile-ratio"])
 def test_a_number_on_a_page_comes_from_its_json(results, tmp_path, name, change, anchor, first_cells, cell):
     page = page_of(anchor)
     assert cell not in row(rr.render(results)[page], anchor, first_cells)
