@@ -65,6 +65,7 @@ if not __package__:   # `python benchmarks/gpu.py`: the package's imports below 
     sys.exit("run the benchmarks as modules from the repository root: python -m benchmarks.gpu --out ...")
 
 from benchmarks.gpu_peaks import mfu_per_device, peak_flops
+from benchmarks.gpu_variants import VARIANTS, pair_with_base, variant_case, variant_overrides, write_teacher
 from benchmarks.harness import base_parser, environment, process_group, run_script, write_report
 
 # micro-batch per GPU: activations ~75 MiB/sample (base) and ~243 MiB/sample (large) without
@@ -103,17 +104,32 @@ class Case:
     checkpointing: bool
     micro: int
     data: str = "tensor"        # tensor: one batch in device memory; loader: the real loader
+    variant: str = "base"       # gpu_variants.VARIANTS: a feature's overrides on the same case
 
     @property
     def name(self) -> str:
         name = f"{self.preset}/{self.profile}/{'ac' if self.checkpointing else 'no-ac'}/micro{self.micro}"
-        return name if self.data == "tensor" else f"{name}/{self.data}"
+        name = name if self.data == "tensor" else f"{name}/{self.data}"
+        return name if self.variant == "base" else f"{name}/+{self.variant}"
 
 
 def cases(models: list[str], profiles: list[str], ac: list[bool], micro: int | None,
-          data: list[str] = ("tensor",)) -> list[Case]:
-    """Every combination; a loader case right after its tensor twin (the same machine state)."""
-    return [Case(m, p, a, micro or MICRO.get(m, 8), d) for m in models for p in profiles for a in ac for d in data]
+          data: list[str] = ("tensor",), variants: list[str] = ("base",)) -> list[Case]:
+    """Every combination; a loader case right after its tensor twin, and the variants other than
+    base right after the one tensor case they run on (gpu_variants.variant_case): the same
+    machine state for a pair. Without "base" in `variants` only the variants' case and its variants
+    run (the base twin stays: each variant is read against it)."""
+    out: list[Case] = []
+    for m, p, a in itertools.product(models, profiles, ac):
+        grid = [Case(m, p, a, micro or MICRO.get(m, 8), d) for d in data]
+        on_this = variant_case(m, p, a, models[0]) and "tensor" in data
+        extra = [v for v in variants if v != "base"] if on_this else []
+        if "base" in variants or extra:
+            out += grid[:1]
+        out += [Case(m, p, a, micro or MICRO.get(m, 8), "tensor", v) for v in extra]
+        if "base" in variants:
+            out += grid[1:]
+    return out
 
 
 # --------------------------------------------------------------------------- data for --data loader
@@ -204,7 +220,8 @@ def run_case(case: Case, args) -> dict:
         overrides = [f"precision={args.precision}", f"batch.micro_batch_size={case.micro}",
                      "steps=1000", "optim.warmup_steps=10", f"profile={case.profile}",
                      f"model.preset={case.preset}", f"model.activation_checkpointing={case.checkpointing}",
-                     f"output_dir={out_dir}", "checkpoint.at_end=false"]
+                     f"output_dir={out_dir}", "checkpoint.at_end=false",
+                     *variant_overrides(case.variant, args.teacher)]
         if loader_mode:
             overrides += [f"data.train_shards={args.shards}", f"data.num_workers={args.loader_workers}"]
         run = load_config(None, overrides)
@@ -278,7 +295,7 @@ def pair_with_tensor(rows: list[dict]) -> list[dict]:
     """Each ok loader row with its ok tensor twin (same preset, profile, checkpointing, micro):
     loader / tensor samples/s (1.0: the data path keeps up) and the loader's data wait."""
     tensor = {(r["preset"], r["profile"], r["checkpointing"], r["micro"]): r for r in rows
-              if r.get("ok") and r.get("data", "tensor") == "tensor"}
+              if r.get("ok") and r.get("data", "tensor") == "tensor" and r.get("variant", "base") == "base"}
     pairs = []
     for r in rows:
         twin = tensor.get((r["preset"], r["profile"], r["checkpointing"], r["micro"]))
@@ -300,7 +317,10 @@ def run_in_process(case: Case, args, timeout: float) -> dict:
         cli = ["--worker", "--out", str(result), "--model", case.preset, "--profiles", case.profile,
                "--ac", "on" if case.checkpointing else "off", "--micro", str(case.micro),
                "--precision", args.precision, "--warmup", str(args.warmup), "--seconds", str(args.seconds),
-               "--max-steps", str(args.max_steps), "--threads", str(args.threads), "--data", case.data]
+               "--max-steps", str(args.max_steps), "--threads", str(args.threads), "--data", case.data,
+               "--variants", case.variant]
+        if args.teacher:
+            cli += ["--teacher", args.teacher]
         if case.data == "loader":
             cli += ["--shards", args.shards, "--tokenizer", args.tokenizer, "--loader-workers", str(args.loader_workers),
                     "--data-images", str(args.data_images), "--data-px", str(args.data_px)]
@@ -342,6 +362,15 @@ def print_table(report: dict) -> None:
                           f"{p['loader_over_tensor']:.3f}", f"{100 * p['data_wait_fraction']:.1f}%",
                           str(p["loader_workers"]), f"{rate:.0f}" if rate else "-")
         console.print(pairs)
+    if report.get("variants_vs_base"):
+        pairs = Table(title="variants: the same case with a feature on, against the case as it is")
+        for col in ("case", "variant", "base samples/s", "variant samples/s", "variant / base", "peak memory ratio"):
+            pairs.add_column(col, justify="right")
+        for p in report["variants_vs_base"]:
+            mem = p["peak_memory_ratio"]
+            pairs.add_row(p["case"], p["variant"], f"{p['base_samples_per_s']:.1f}", f"{p['variant_samples_per_s']:.1f}",
+                          f"{p['variant_over_base']:.3f}", f"{mem:.2f}" if mem else "-")
+        console.print(pairs)
 
 
 def parse_args(argv):
@@ -359,7 +388,12 @@ def parse_args(argv):
                         help="timed seconds per case (at least one step, at most --max-steps)")
     parser.add_argument("--max-steps", type=int, default=50, help="timed steps at most per case")
     parser.add_argument("--case-timeout", type=float, default=120.0, help="seconds before a case's process is killed")
-    parser.add_argument("--total-budget", type=float, default=450.0,
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="base: the grid; patch_dropout, compile, distill: the same run with that feature on, "
+                             "on git-rsclip-base / zero2 / no AC only (benchmarks/gpu_variants.py)")
+    parser.add_argument("--teacher-preset", default=None,
+                        help="the distill variant's teacher shape (default git-rsclip-large; tiny with --model tiny)")
+    parser.add_argument("--total-budget", type=float, default=560.0,
                         help="seconds for all cases; cases that would start after it are skipped")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU if not in PEAK_BF16_TFLOPS")
     parser.add_argument("--data", nargs="*", default=["tensor"], choices=["tensor", "loader"],
@@ -375,6 +409,7 @@ def parse_args(argv):
                         help="--open-clip: steps per run; the rate leaves out the first quarter")
     parser.add_argument("--shards", help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    parser.add_argument("--teacher", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -410,9 +445,10 @@ def main(argv=None) -> int:
     if refused:
         print(refused, file=sys.stderr)
         return 2
-    todo = cases(args.model, args.profiles, [a == "on" for a in args.ac], args.micro, args.data)
-    if args.worker:
-        row = run_case(todo[0], args)
+    todo = cases(args.model, args.profiles, [a == "on" for a in args.ac], args.micro, args.data, args.variants)
+    if args.worker:   # one case, from its own flags (run_in_process)
+        row = run_case(Case(args.model[0], args.profiles[0], args.ac[0] == "on", args.micro or MICRO.get(args.model[0], 8),
+                            args.data[0], args.variants[0]), args)
         args.out.write_text(json.dumps(row))
         return 0
     with tempfile.TemporaryDirectory() as data_dir:
@@ -422,6 +458,12 @@ def main(argv=None) -> int:
             args.shards, args.tokenizer = data["train_pattern"], data["tokenizer"]
             print(f"loader data: {args.data_images} x {args.data_px} px JPEG in {time.perf_counter() - t0:.0f}s",
                   flush=True)
+        if any(c.variant == "distill" for c in todo):   # written once: a random-weight teacher folder
+            t0 = time.perf_counter()
+            preset = args.teacher_preset or ("tiny" if args.model[0] == "tiny" else "git-rsclip-large")
+            args.teacher = str(write_teacher(Path(data_dir) / "teacher", preset,
+                                             Path(args.tokenizer) if args.tokenizer else None))
+            print(f"distill teacher: {preset}, random weights, in {time.perf_counter() - t0:.0f}s", flush=True)
         report = run_cases(todo, args)
     write_report(report, args.out, print_table)
     print(f"wrote {args.out} in {report['seconds']:.0f}s")
@@ -448,9 +490,9 @@ def run_cases(todo: list[Case], args) -> dict:
     return {"config": {"models": args.model, "profiles": args.profiles, "ac": args.ac, "precision": args.precision,
                        "warmup": args.warmup, "seconds": args.seconds, "max_steps": args.max_steps,
                        "data": args.data, "loader_workers": args.loader_workers, "data_images": args.data_images,
-                       "data_px": args.data_px},
+                       "data_px": args.data_px, "variants": args.variants},
             "environment": environment(args.threads, device=device), "cases": rows,
-            "loader_vs_tensor": pair_with_tensor(rows),
+            "loader_vs_tensor": pair_with_tensor(rows), "variants_vs_base": pair_with_base(rows),
             "seconds": time.perf_counter() - t0}
 
 

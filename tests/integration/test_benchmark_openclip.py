@@ -89,6 +89,39 @@ def test_cases_put_each_pair_together_and_ratios_pair_within_a_repeat(driver):
     assert summary["cases"]["open_clip/fp32"]["runs"] == 2
 
 
+def test_peer_cases_pair_with_the_open_clip_case_of_the_same_peer(driver):
+    todo = driver.cases(["fp32", "amp_bf16"], ["zero1", "zero2"], ["fp32", "bf16"], ["patch_dropout"],
+                        peer_precisions=["bf16"])
+    assert [c.name for c in todo][-2:] == ["open_clip/amp_bf16+patch_dropout", "rsclip_ds/zero2/bf16+patch_dropout"]
+    assert todo[-1].partners() == ["open_clip/amp_bf16+patch_dropout", "open_clip/pure_bf16+patch_dropout"]
+    only = driver.cases(["fp32"], ["zero2"], ["fp32"], ["patch_dropout", "compile"], base=False)
+    assert [c.name for c in only] == ["open_clip/fp32+patch_dropout", "rsclip_ds/zero2/fp32+patch_dropout",
+                                      "open_clip/fp32+compile", "rsclip_ds/zero2/fp32+compile"]
+    rows = [{"case": c.name, "repeat": 0, "ok": True, "samples_per_s": v, "samples_per_s_wall": v, "startup_s": 1.0,
+             "cpu_busy_before": 0.0, "peak_pss_bytes": pss,
+             "steady": {"minflt_per_step_per_rank": 1.0, "sys_ms_per_step": 1.0, "user_ms_per_step": 1.0,
+                        "foreign_cpu_share": 0.0},
+             "whole_run": {"minflt_per_step_per_rank": 1.0, "sys_ms_per_step": 1.0}}
+            for c, v, pss in zip(only[:2], (40.0, 50.0), (2e9, 3e9))]
+    ratio = driver.summarize(rows, only[:2])["ratios"]["rsclip_ds/zero2/fp32+patch_dropout / open_clip/fp32+patch_dropout"]
+    assert ratio["per_repeat"] == [1.25] and ratio["peak_pss_ratio"]["median"] == 1.5
+
+
+def test_each_peer_is_its_flag_on_both_sides_and_the_users_style_sets_no_threads(driver, tmp_path, monkeypatch):
+    bench, inputs = driver.TINY, driver.Inputs(tmp_path, "/d/train-{0..1}.tar", tmp_path, tmp_path / "hf", tmp_path)
+    pd = driver.Case("open_clip", "fp32", peer="patch_dropout")
+    assert driver.openclip_cmd(bench, pd, inputs, 1, "n")[-2:] == ["--force-patch-dropout", "0.5"]
+    assert "--torchcompile" in driver.openclip_cmd(bench, driver.Case("open_clip", "fp32", peer="compile"), inputs, 1, "n")
+    ours = driver.rsclip_cmd(bench, driver.Case("rsclip_ds", "fp32", "zero2", "patch_dropout"), inputs, 1, tmp_path)
+    assert ours[-2:] == ["--set", "model.patch_dropout=0.5"] and "checkpoint.at_end=false" in ours
+    users = driver.rsclip_cmd(bench, driver.Case("rsclip_ds", "fp32", "zero2"), inputs, 1, tmp_path, "users")
+    assert "checkpoint.at_end=false" not in users   # the default end-of-run checkpoint stays
+    assert "--save-frequency" not in driver.openclip_cmd(bench, pd, inputs, 1, "n", "users")
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")   # the driver's own: never passed on in the users style
+    assert "OMP_NUM_THREADS" not in driver.tool_env("rsclip_ds", "cpu", None)
+    assert driver.tool_env("open_clip", "cpu", 1)["OMP_NUM_THREADS"] == "1"
+
+
 # --------------------------------------------------------------------------- the launches
 
 
