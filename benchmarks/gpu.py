@@ -7,12 +7,16 @@ memory (--data tensor, the default). No network; the shards are synthetic.
     python -m benchmarks.gpu --profiles zero2 --ac off --data tensor loader \
         --out benchmarks/results/gpu_h200_loader.json        # the data path: 4 cases, ~4 min
 
-One command, 8 configurations, under 8 minutes on an H200 (about 45 s each: start-up, engine,
-2 warm-up steps, then timed steps for --seconds). Each configuration runs in its own process
+One command, 8 configurations and 3 variants, under 10 minutes on an H200 (about 45 s each:
+start-up, engine, 2 warm-up steps, then timed steps for --seconds; --total-budget 560 s skips what
+would start later). The variants (--variants, benchmarks/gpu_variants.py) are git-rsclip-base /
+zero2 / no AC again with one feature on: patch_dropout (model.patch_dropout=0.5), compile
+(compile.enabled=true), distill (distill.teacher=<a random-weight git-rsclip-large folder written
+once per command> distill.weight=1.0); the report pairs each with its base case. Each configuration runs in its own process
 (a fresh CUDA context, so peak memory is its own); one that fails or runs out of its time is
 recorded with the reason and the others go on. CPU smoke tests (what the slow test runs):
 
-    DS_ACCELERATOR=cpu python -m benchmarks.gpu --model tiny --out /tmp/gpu_tiny.json
+    DS_ACCELERATOR=cpu python -m benchmarks.gpu --model tiny --variants base patch_dropout --out /tmp/gpu_tiny.json
     DS_ACCELERATOR=cpu python -m benchmarks.gpu --model tiny --profiles zero2 --ac off --data tensor loader \
         --data-images 64 --data-px 64 --loader-workers 1 --out /tmp/gpu_tiny_loader.json
 
@@ -23,10 +27,12 @@ quantizer JIT-compiles a CUDA op with nvcc (minutes, or a failure without the CU
 inside the case timeout. They are measured on 2+ nodes: benchmarks/comms/multigpu_hybrid.sh.
 
 Against open_clip on one GPU (docs/benchmarks/throughput.md, "Against open_clip"; VENV from
-benchmarks/throughput/openclip_env.sh, built on the GPU host), ~5 minutes; and its CPU smoke test (~1 minute):
+benchmarks/throughput/openclip_env.sh, built on the GPU host), ~8 minutes with the patch-dropout and
+compile peers (--openclip-peers); and its CPU smoke test (~1 minute):
 
     python -m benchmarks.gpu --open-clip VENV --model git-rsclip-base --out benchmarks/results/gpu_h200_openclip.json
-    python -m benchmarks.gpu --open-clip VENV --model tiny --openclip-steps 8 --loader-workers 1 --out /tmp/gpu_oc.json
+    python -m benchmarks.gpu --open-clip VENV --model tiny --openclip-steps 8 --loader-workers 1 \
+        --openclip-peers patch_dropout --out /tmp/gpu_oc.json
 
 Per configuration: samples/s (timed steps x micro / seconds, after warm-up, with a device sync
 at both ends), model FLOPs per sample (rsclip_ds.planning.flops: 3 x the forward matmul FLOPs of both
@@ -65,6 +71,7 @@ if not __package__:   # `python benchmarks/gpu.py`: the package's imports below 
     sys.exit("run the benchmarks as modules from the repository root: python -m benchmarks.gpu --out ...")
 
 from benchmarks.gpu_peaks import mfu_per_device, peak_flops
+from benchmarks.gpu_report import print_table
 from benchmarks.gpu_variants import VARIANTS, pair_with_base, variant_case, variant_overrides, write_teacher
 from benchmarks.harness import base_parser, environment, process_group, run_script, write_report
 
@@ -333,46 +340,6 @@ def run_in_process(case: Case, args, timeout: float) -> dict:
         return {"case": case.name, **asdict(case), **row, "process_s": time.perf_counter() - t0}
 
 
-def print_table(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"{report['environment']['device']}, {report['config']['precision']}, one rank")
-    for col in ("case", "samples/s", "step ms", "TFLOP/s", "MFU", "HFU", "peak GiB", "note"):
-        table.add_column(col, justify="right")
-    for r in report["cases"]:
-        if not r["ok"]:
-            table.add_row(r["case"], "-", "-", "-", "-", "-", "-", r["error"])
-            continue
-        pct = (lambda x: f"{100 * x:.1f}%" if x is not None else "-")
-        mem = r["peak_memory_bytes"]
-        table.add_row(r["case"], f"{r['samples_per_s']:.1f}", f"{r['step_ms']:.1f}", f"{r['achieved_tflops']:.2f}",
-                      pct(r["mfu"]), pct(r["hfu"]), f"{mem / 2**30:.1f}" if mem else "-",
-                      f"data wait {100 * r['data_wait_fraction']:.0f}%" if r.get("data") == "loader" else "")
-    console = Console(width=160)
-    console.print(table)
-    if report.get("loader_vs_tensor"):
-        pairs = Table(title="the data path: the real loader against a batch in device memory")
-        for col in ("case", "tensor samples/s", "loader samples/s", "loader / tensor", "data wait", "workers",
-                    "samples per worker-CPU-s"):
-            pairs.add_column(col, justify="right")
-        for p in report["loader_vs_tensor"]:
-            rate = p["loader_samples_per_cpu_s"]
-            pairs.add_row(p["case"], f"{p['tensor_samples_per_s']:.1f}", f"{p['loader_samples_per_s']:.1f}",
-                          f"{p['loader_over_tensor']:.3f}", f"{100 * p['data_wait_fraction']:.1f}%",
-                          str(p["loader_workers"]), f"{rate:.0f}" if rate else "-")
-        console.print(pairs)
-    if report.get("variants_vs_base"):
-        pairs = Table(title="variants: the same case with a feature on, against the case as it is")
-        for col in ("case", "variant", "base samples/s", "variant samples/s", "variant / base", "peak memory ratio"):
-            pairs.add_column(col, justify="right")
-        for p in report["variants_vs_base"]:
-            mem = p["peak_memory_ratio"]
-            pairs.add_row(p["case"], p["variant"], f"{p['base_samples_per_s']:.1f}", f"{p['variant_samples_per_s']:.1f}",
-                          f"{p['variant_over_base']:.3f}", f"{mem:.2f}" if mem else "-")
-        console.print(pairs)
-
-
 def parse_args(argv):
     parser = base_parser(__doc__)
     parser.add_argument("--model", nargs="*", default=["git-rsclip-base", "git-rsclip-large"],
@@ -405,6 +372,9 @@ def parse_args(argv):
                         help="run the open_clip comparison instead: open_clip's trainer (amp_bf16, pure_bf16) "
                              "against rsclip-ds train (zero2, bf16) on one GPU, the shape of the first --model "
                              "(git-rsclip-base, or tiny for a CPU smoke test); VENV from benchmarks/throughput/openclip_env.sh")
+    parser.add_argument("--openclip-peers", nargs="*", default=["patch_dropout", "compile"],
+                        help="--open-clip: features run on both sides at the same setting, against amp_bf16 "
+                             "(benchmarks/throughput/openclip_cases.py PEERS)")
     parser.add_argument("--openclip-steps", type=int, default=40,
                         help="--open-clip: steps per run; the rate leaves out the first quarter")
     parser.add_argument("--shards", help=argparse.SUPPRESS)
@@ -419,7 +389,8 @@ def openclip_comparison(args) -> int:
     report (JSON + PNG + tables): open_clip_train (VENV's python, `torch.distributed.run
     --nproc_per_node 1`) with --precision amp_bf16 / pure_bf16 against `deepspeed --num_gpus 1
     --module rsclip_ds train` with zero2 bf16, the model of openclip_shapes.SHAPES[--model],
-    --micro (default MICRO), --loader-workers workers each, synthetic JPEGs at the model's size."""
+    --micro (default MICRO), --loader-workers workers each, synthetic JPEGs at the model's size;
+    and each of --openclip-peers on both sides (open_clip amp_bf16 against zero2 bf16)."""
     import torch
     from benchmarks.throughput.openclip import cases as openclip_cases
     from benchmarks.throughput.openclip import compare, one_rank_bench
@@ -428,7 +399,7 @@ def openclip_comparison(args) -> int:
     shape = args.model[0]
     bench = one_rank_bench(shape, args.micro or MICRO.get(shape, 8), args.openclip_steps, args.loader_workers,
                            timeout_s=max(args.case_timeout, 300.0), device="cuda" if torch.cuda.is_available() else "cpu")
-    todo = openclip_cases(["amp_bf16", "pure_bf16"], ["zero2"], ["bf16"])
+    todo = openclip_cases(["amp_bf16", "pure_bf16"], ["zero2"], ["bf16"], args.openclip_peers)
     report = compare(bench, todo, args.open_clip, Path("runs/bench_data"), Path("runs/bench_openclip"),
                      say=lambda m: print(m, flush=True))
     write_report(report, args.out, print_tables, plot)

@@ -80,21 +80,27 @@ class PeakPss:
 
     def __init__(self, pid: int, interval: float = 2.0):
         self.pid, self.interval, self.peak, self.at_peak, self.cpu_s = pid, interval, 0, {}, 0.0
-        self._stop = threading.Event()
+        self._stop, self._lock = threading.Event(), threading.Lock()
         self._thread = threading.Thread(target=self._run, name="peak-pss", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            t0 = time.thread_time()
-            sample = tree_pss(self.pid)
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def sample(self) -> int:
+        """One sample (the thread's, or a mark's from the caller), kept when it is the peak -> bytes."""
+        t0 = time.thread_time()
+        sample = tree_pss(self.pid)
+        total = sum(b for _, b in sample.values())
+        with self._lock:
             self.cpu_s += time.thread_time() - t0
-            total = sum(b for _, b in sample.values())
             if total > self.peak:
                 self.peak, self.at_peak = total, {}
                 for name, b in sample.values():
                     self.at_peak[name] = self.at_peak.get(name, 0) + b
-            self._stop.wait(self.interval)
+        return total
 
     def stop(self) -> int:
         self._stop.set()
@@ -146,7 +152,7 @@ def launch(cmd: list[str], env: dict, cwd: Path, timeout: float, parse: Callable
                     steps[parsed["step"]] = {**parsed, "t": t}
                     if parsed["step"] in mark_steps:
                         marks[parsed["step"]] = {"t": t, **tree_counters(proc.pid), "machine": machine_seconds(),
-                                                 "pss": sum(b for _, b in tree_pss(proc.pid).values())}
+                                                 "pss": pss.sample()}
         rc = proc.wait()
     except BaseException:
         # the driver itself stopped (Ctrl-C, SIGTERM): the group is in its own session, so nothing

@@ -141,14 +141,16 @@ def siglip_parameters(width: int, depth: int, mlp: int, patch: int, image: int, 
 def report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("openclip")
     return run_benchmark("throughput.compare", "--open-clip", VENV, "--tiny", "--data", str(tmp / "data"),
-                         "--work", str(tmp / "work"), out=tmp / "throughput_openclip.json", ranks=None, timeout=420)
+                         "--work", str(tmp / "work"), "--peers", "patch_dropout", "--peer-precisions", "fp32",
+                         out=tmp / "throughput_openclip.json", ranks=None, timeout=540)
 
 
 @launches
 def test_every_case_trained_its_steps_on_both_tools(report):
     cfg = report["config"]
     assert cfg["cases"] == ["open_clip/fp32", "rsclip_ds/zero1/fp32", "rsclip_ds/zero2/fp32", "open_clip/amp_bf16",
-                            "open_clip/pure_bf16", "rsclip_ds/zero1/bf16", "rsclip_ds/zero2/bf16"]
+                            "open_clip/pure_bf16", "rsclip_ds/zero1/bf16", "rsclip_ds/zero2/bf16",
+                            "open_clip/fp32+patch_dropout", "rsclip_ds/zero2/fp32+patch_dropout"]
     assert [r["case"] for r in report["runs"]] == cfg["cases"] * cfg["repeats"]
     for r in report["runs"]:
         assert r["ok"], r
@@ -194,6 +196,11 @@ def test_the_whole_process_tree_was_measured(report):
         assert 0 <= steady["foreign_cpu_share"] <= 1 and 0 <= r["cpu_busy_before"] <= 1
         whole = r["whole_run"]
         assert whole["minflt"] >= steady["minflt"] and whole["user_s"] >= steady["user_s"]
+        # host memory: the tree's PSS, sampled and at both marks; the ranks' program holds most of it
+        rank_program = {"open_clip": "openclip_main.py", "rsclip_ds": "rsclip_ds"}[r["tool"]]
+        assert r["peak_pss_bytes"] >= max(steady["pss_bytes_at_first"], steady["pss_bytes_at_last"]) > 0, r
+        assert max(r["peak_pss_by_command"], key=r["peak_pss_by_command"].get) == rank_program, r
+        assert sum(r["peak_pss_by_command"].values()) == r["peak_pss_bytes"]
 
 
 @launches
@@ -201,7 +208,8 @@ def test_ratios_are_paired_within_each_repeat(report):
     runs = {(r["case"], r["repeat"]): r["samples_per_s"] for r in report["runs"]}
     ratios = report["summary"]["ratios"]
     assert set(ratios) == {f"rsclip_ds/{p}/fp32 / open_clip/fp32" for p in ("zero1", "zero2")} | \
-        {f"rsclip_ds/{p}/bf16 / open_clip/{oc}" for p in ("zero1", "zero2") for oc in ("amp_bf16", "pure_bf16")}
+        {f"rsclip_ds/{p}/bf16 / open_clip/{oc}" for p in ("zero1", "zero2") for oc in ("amp_bf16", "pure_bf16")} | \
+        {"rsclip_ds/zero2/fp32+patch_dropout / open_clip/fp32+patch_dropout"}
     for name, r in ratios.items():
         ours, theirs = name.split(" / ")
         assert r["per_repeat"] == [runs[ours, k] / runs[theirs, k] for k in range(report["config"]["repeats"])]
@@ -213,17 +221,20 @@ def gpu_report(tmp_path_factory) -> dict:
     """benchmarks/gpu.py --open-clip on CPU with the tiny shape: its one-rank comparison (~40 s)."""
     tmp = tmp_path_factory.mktemp("openclip_gpu")
     return run_benchmark("gpu", "--open-clip", VENV, "--model", "tiny", "--openclip-steps", "8",
-                         "--loader-workers", "1", out=tmp / "gpu_openclip.json", ranks=None, timeout=300)
+                         "--loader-workers", "1", "--openclip-peers", "patch_dropout", out=tmp / "gpu_openclip.json",
+                         ranks=None, timeout=400)
 
 
 @launches
 def test_gpu_script_compares_on_one_rank(gpu_report):
     cfg = gpu_report["config"]
     assert (cfg["ranks"], cfg["shape"], cfg["steps"], cfg["skip"]) == (1, "tiny", 8, 2)
-    assert cfg["cases"] == ["open_clip/amp_bf16", "open_clip/pure_bf16", "rsclip_ds/zero2/bf16"]
+    assert cfg["cases"] == ["open_clip/amp_bf16", "open_clip/pure_bf16", "rsclip_ds/zero2/bf16",
+                            "open_clip/amp_bf16+patch_dropout", "rsclip_ds/zero2/bf16+patch_dropout"]
     for r in gpu_report["runs"]:
         assert r["ok"], r
         assert r["samples_trained"] == cfg["steps"] * cfg["micro"] and r["samples_per_s"] > 0
         assert r["steady"]["processes"] == {"open_clip": 1, "rsclip_ds": 2}[r["tool"]] + 2   # rank + worker
     assert set(gpu_report["summary"]["ratios"]) == {"rsclip_ds/zero2/bf16 / open_clip/amp_bf16",
-                                                     "rsclip_ds/zero2/bf16 / open_clip/pure_bf16"}
+                                                     "rsclip_ds/zero2/bf16 / open_clip/pure_bf16",
+                                                     "rsclip_ds/zero2/bf16+patch_dropout / open_clip/amp_bf16+patch_dropout"}
