@@ -64,7 +64,13 @@ def openclip_tables(rep: dict) -> list[str]:
 
 
 def throughput_openclip(files: dict) -> list[str]:
-    return openclip_tables(files["throughput_openclip.json"])
+    """The harness-style comparison, then (when measured) the users' style and the peers."""
+    out = openclip_tables(files["throughput_openclip.json"])
+    for name, what in (("throughput_openclip_users.json", "each tool's own thread default, default checkpoints"),
+                       ("throughput_openclip_peers.json", "the same feature on both sides")):
+        if name in files:
+            out += [f"`{name}` ({what}):", "", *openclip_tables(files[name])]
+    return out
 
 
 def _gpu_cases(rep: dict) -> list[str]:
