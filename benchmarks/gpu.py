@@ -7,12 +7,16 @@ memory (--data tensor, the default). No network; the shards are synthetic.
     python -m benchmarks.gpu --profiles zero2 --ac off --data tensor loader \
         --out benchmarks/results/gpu_h200_loader.json        # the data path: 4 cases, ~4 min
 
-One command, 8 configurations, under 8 minutes on an H200 (about 45 s each: start-up, engine,
-2 warm-up steps, then timed steps for --seconds). Each configuration runs in its own process
+One command, 8 configurations and 3 variants, under 10 minutes on an H200 (about 45 s each:
+start-up, engine, 2 warm-up steps, then timed steps for --seconds; --total-budget 560 s skips what
+would start later). The variants (--variants, benchmarks/gpu_variants.py) are git-rsclip-base /
+zero2 / no AC again with one feature on: patch_dropout (model.patch_dropout=0.5), compile
+(compile.enabled=true), distill (distill.teacher=<a random-weight git-rsclip-large folder written
+once per command> distill.weight=1.0); the report pairs each with its base case. Each configuration runs in its own process
 (a fresh CUDA context, so peak memory is its own); one that fails or runs out of its time is
 recorded with the reason and the others go on. CPU smoke tests (what the slow test runs):
 
-    DS_ACCELERATOR=cpu python -m benchmarks.gpu --model tiny --out /tmp/gpu_tiny.json
+    DS_ACCELERATOR=cpu python -m benchmarks.gpu --model tiny --variants base patch_dropout --out /tmp/gpu_tiny.json
     DS_ACCELERATOR=cpu python -m benchmarks.gpu --model tiny --profiles zero2 --ac off --data tensor loader \
         --data-images 64 --data-px 64 --loader-workers 1 --out /tmp/gpu_tiny_loader.json
 
@@ -23,10 +27,12 @@ quantizer JIT-compiles a CUDA op with nvcc (minutes, or a failure without the CU
 inside the case timeout. They are measured on 2+ nodes: benchmarks/comms/multigpu_hybrid.sh.
 
 Against open_clip on one GPU (docs/benchmarks/throughput.md, "Against open_clip"; VENV from
-benchmarks/throughput/openclip_env.sh, built on the GPU host), ~5 minutes; and its CPU smoke test (~1 minute):
+benchmarks/throughput/openclip_env.sh, built on the GPU host), ~8 minutes with the patch-dropout and
+compile peers (--openclip-peers); and its CPU smoke test (~1 minute):
 
     python -m benchmarks.gpu --open-clip VENV --model git-rsclip-base --out benchmarks/results/gpu_h200_openclip.json
-    python -m benchmarks.gpu --open-clip VENV --model tiny --openclip-steps 8 --loader-workers 1 --out /tmp/gpu_oc.json
+    python -m benchmarks.gpu --open-clip VENV --model tiny --openclip-steps 8 --loader-workers 1 \
+        --openclip-peers patch_dropout --out /tmp/gpu_oc.json
 
 Per configuration: samples/s (timed steps x micro / seconds, after warm-up, with a device sync
 at both ends), model FLOPs per sample (rsclip_ds.planning.flops: 3 x the forward matmul FLOPs of both
@@ -65,6 +71,8 @@ if not __package__:   # `python benchmarks/gpu.py`: the package's imports below 
     sys.exit("run the benchmarks as modules from the repository root: python -m benchmarks.gpu --out ...")
 
 from benchmarks.gpu_peaks import mfu_per_device, peak_flops
+from benchmarks.gpu_report import print_table
+from benchmarks.gpu_variants import VARIANTS, pair_with_base, variant_case, variant_overrides, write_teacher
 from benchmarks.harness import base_parser, environment, process_group, run_script, write_report
 
 # micro-batch per GPU: activations ~75 MiB/sample (base) and ~243 MiB/sample (large) without
@@ -103,17 +111,32 @@ class Case:
     checkpointing: bool
     micro: int
     data: str = "tensor"        # tensor: one batch in device memory; loader: the real loader
+    variant: str = "base"       # gpu_variants.VARIANTS: a feature's overrides on the same case
 
     @property
     def name(self) -> str:
         name = f"{self.preset}/{self.profile}/{'ac' if self.checkpointing else 'no-ac'}/micro{self.micro}"
-        return name if self.data == "tensor" else f"{name}/{self.data}"
+        name = name if self.data == "tensor" else f"{name}/{self.data}"
+        return name if self.variant == "base" else f"{name}/+{self.variant}"
 
 
 def cases(models: list[str], profiles: list[str], ac: list[bool], micro: int | None,
-          data: list[str] = ("tensor",)) -> list[Case]:
-    """Every combination; a loader case right after its tensor twin (the same machine state)."""
-    return [Case(m, p, a, micro or MICRO.get(m, 8), d) for m in models for p in profiles for a in ac for d in data]
+          data: list[str] = ("tensor",), variants: list[str] = ("base",)) -> list[Case]:
+    """Every combination; a loader case right after its tensor twin, and the variants other than
+    base right after the one tensor case they run on (gpu_variants.variant_case): the same
+    machine state for a pair. Without "base" in `variants` only the variants' case and its variants
+    run (the base twin stays: each variant is read against it)."""
+    out: list[Case] = []
+    for m, p, a in itertools.product(models, profiles, ac):
+        grid = [Case(m, p, a, micro or MICRO.get(m, 8), d) for d in data]
+        on_this = variant_case(m, p, a, models[0]) and "tensor" in data
+        extra = [v for v in variants if v != "base"] if on_this else []
+        if "base" in variants or extra:
+            out += grid[:1]
+        out += [Case(m, p, a, micro or MICRO.get(m, 8), "tensor", v) for v in extra]
+        if "base" in variants:
+            out += grid[1:]
+    return out
 
 
 # --------------------------------------------------------------------------- data for --data loader
@@ -204,7 +227,8 @@ def run_case(case: Case, args) -> dict:
         overrides = [f"precision={args.precision}", f"batch.micro_batch_size={case.micro}",
                      "steps=1000", "optim.warmup_steps=10", f"profile={case.profile}",
                      f"model.preset={case.preset}", f"model.activation_checkpointing={case.checkpointing}",
-                     f"output_dir={out_dir}", "checkpoint.at_end=false"]
+                     f"output_dir={out_dir}", "checkpoint.at_end=false",
+                     *variant_overrides(case.variant, args.teacher)]
         if loader_mode:
             overrides += [f"data.train_shards={args.shards}", f"data.num_workers={args.loader_workers}"]
         run = load_config(None, overrides)
@@ -278,7 +302,7 @@ def pair_with_tensor(rows: list[dict]) -> list[dict]:
     """Each ok loader row with its ok tensor twin (same preset, profile, checkpointing, micro):
     loader / tensor samples/s (1.0: the data path keeps up) and the loader's data wait."""
     tensor = {(r["preset"], r["profile"], r["checkpointing"], r["micro"]): r for r in rows
-              if r.get("ok") and r.get("data", "tensor") == "tensor"}
+              if r.get("ok") and r.get("data", "tensor") == "tensor" and r.get("variant", "base") == "base"}
     pairs = []
     for r in rows:
         twin = tensor.get((r["preset"], r["profile"], r["checkpointing"], r["micro"]))
@@ -300,7 +324,10 @@ def run_in_process(case: Case, args, timeout: float) -> dict:
         cli = ["--worker", "--out", str(result), "--model", case.preset, "--profiles", case.profile,
                "--ac", "on" if case.checkpointing else "off", "--micro", str(case.micro),
                "--precision", args.precision, "--warmup", str(args.warmup), "--seconds", str(args.seconds),
-               "--max-steps", str(args.max_steps), "--threads", str(args.threads), "--data", case.data]
+               "--max-steps", str(args.max_steps), "--threads", str(args.threads), "--data", case.data,
+               "--variants", case.variant]
+        if args.teacher:
+            cli += ["--teacher", args.teacher]
         if case.data == "loader":
             cli += ["--shards", args.shards, "--tokenizer", args.tokenizer, "--loader-workers", str(args.loader_workers),
                     "--data-images", str(args.data_images), "--data-px", str(args.data_px)]
@@ -311,37 +338,6 @@ def run_in_process(case: Case, args, timeout: float) -> dict:
         if not row.get("ok", True) and row["error"].startswith("timed out"):
             row["error"] += " (raise --case-timeout)"
         return {"case": case.name, **asdict(case), **row, "process_s": time.perf_counter() - t0}
-
-
-def print_table(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"{report['environment']['device']}, {report['config']['precision']}, one rank")
-    for col in ("case", "samples/s", "step ms", "TFLOP/s", "MFU", "HFU", "peak GiB", "note"):
-        table.add_column(col, justify="right")
-    for r in report["cases"]:
-        if not r["ok"]:
-            table.add_row(r["case"], "-", "-", "-", "-", "-", "-", r["error"])
-            continue
-        pct = (lambda x: f"{100 * x:.1f}%" if x is not None else "-")
-        mem = r["peak_memory_bytes"]
-        table.add_row(r["case"], f"{r['samples_per_s']:.1f}", f"{r['step_ms']:.1f}", f"{r['achieved_tflops']:.2f}",
-                      pct(r["mfu"]), pct(r["hfu"]), f"{mem / 2**30:.1f}" if mem else "-",
-                      f"data wait {100 * r['data_wait_fraction']:.0f}%" if r.get("data") == "loader" else "")
-    console = Console(width=160)
-    console.print(table)
-    if report.get("loader_vs_tensor"):
-        pairs = Table(title="the data path: the real loader against a batch in device memory")
-        for col in ("case", "tensor samples/s", "loader samples/s", "loader / tensor", "data wait", "workers",
-                    "samples per worker-CPU-s"):
-            pairs.add_column(col, justify="right")
-        for p in report["loader_vs_tensor"]:
-            rate = p["loader_samples_per_cpu_s"]
-            pairs.add_row(p["case"], f"{p['tensor_samples_per_s']:.1f}", f"{p['loader_samples_per_s']:.1f}",
-                          f"{p['loader_over_tensor']:.3f}", f"{100 * p['data_wait_fraction']:.1f}%",
-                          str(p["loader_workers"]), f"{rate:.0f}" if rate else "-")
-        console.print(pairs)
 
 
 def parse_args(argv):
@@ -359,7 +355,12 @@ def parse_args(argv):
                         help="timed seconds per case (at least one step, at most --max-steps)")
     parser.add_argument("--max-steps", type=int, default=50, help="timed steps at most per case")
     parser.add_argument("--case-timeout", type=float, default=120.0, help="seconds before a case's process is killed")
-    parser.add_argument("--total-budget", type=float, default=450.0,
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="base: the grid; patch_dropout, compile, distill: the same run with that feature on, "
+                             "on git-rsclip-base / zero2 / no AC only (benchmarks/gpu_variants.py)")
+    parser.add_argument("--teacher-preset", default=None,
+                        help="the distill variant's teacher shape (default git-rsclip-large; tiny with --model tiny)")
+    parser.add_argument("--total-budget", type=float, default=560.0,
                         help="seconds for all cases; cases that would start after it are skipped")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU if not in PEAK_BF16_TFLOPS")
     parser.add_argument("--data", nargs="*", default=["tensor"], choices=["tensor", "loader"],
@@ -371,10 +372,14 @@ def parse_args(argv):
                         help="run the open_clip comparison instead: open_clip's trainer (amp_bf16, pure_bf16) "
                              "against rsclip-ds train (zero2, bf16) on one GPU, the shape of the first --model "
                              "(git-rsclip-base, or tiny for a CPU smoke test); VENV from benchmarks/throughput/openclip_env.sh")
+    parser.add_argument("--openclip-peers", nargs="*", default=["patch_dropout", "compile"],
+                        help="--open-clip: features run on both sides at the same setting, against amp_bf16 "
+                             "(benchmarks/throughput/openclip_cases.py PEERS)")
     parser.add_argument("--openclip-steps", type=int, default=40,
                         help="--open-clip: steps per run; the rate leaves out the first quarter")
     parser.add_argument("--shards", help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    parser.add_argument("--teacher", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -384,7 +389,8 @@ def openclip_comparison(args) -> int:
     report (JSON + PNG + tables): open_clip_train (VENV's python, `torch.distributed.run
     --nproc_per_node 1`) with --precision amp_bf16 / pure_bf16 against `deepspeed --num_gpus 1
     --module rsclip_ds train` with zero2 bf16, the model of openclip_shapes.SHAPES[--model],
-    --micro (default MICRO), --loader-workers workers each, synthetic JPEGs at the model's size."""
+    --micro (default MICRO), --loader-workers workers each, synthetic JPEGs at the model's size;
+    and each of --openclip-peers on both sides (open_clip amp_bf16 against zero2 bf16)."""
     import torch
     from benchmarks.throughput.openclip import cases as openclip_cases
     from benchmarks.throughput.openclip import compare, one_rank_bench
@@ -393,7 +399,7 @@ def openclip_comparison(args) -> int:
     shape = args.model[0]
     bench = one_rank_bench(shape, args.micro or MICRO.get(shape, 8), args.openclip_steps, args.loader_workers,
                            timeout_s=max(args.case_timeout, 300.0), device="cuda" if torch.cuda.is_available() else "cpu")
-    todo = openclip_cases(["amp_bf16", "pure_bf16"], ["zero2"], ["bf16"])
+    todo = openclip_cases(["amp_bf16", "pure_bf16"], ["zero2"], ["bf16"], args.openclip_peers)
     report = compare(bench, todo, args.open_clip, Path("runs/bench_data"), Path("runs/bench_openclip"),
                      say=lambda m: print(m, flush=True))
     write_report(report, args.out, print_tables, plot)
@@ -410,9 +416,10 @@ def main(argv=None) -> int:
     if refused:
         print(refused, file=sys.stderr)
         return 2
-    todo = cases(args.model, args.profiles, [a == "on" for a in args.ac], args.micro, args.data)
-    if args.worker:
-        row = run_case(todo[0], args)
+    todo = cases(args.model, args.profiles, [a == "on" for a in args.ac], args.micro, args.data, args.variants)
+    if args.worker:   # one case, from its own flags (run_in_process)
+        row = run_case(Case(args.model[0], args.profiles[0], args.ac[0] == "on", args.micro or MICRO.get(args.model[0], 8),
+                            args.data[0], args.variants[0]), args)
         args.out.write_text(json.dumps(row))
         return 0
     with tempfile.TemporaryDirectory() as data_dir:
@@ -422,6 +429,12 @@ def main(argv=None) -> int:
             args.shards, args.tokenizer = data["train_pattern"], data["tokenizer"]
             print(f"loader data: {args.data_images} x {args.data_px} px JPEG in {time.perf_counter() - t0:.0f}s",
                   flush=True)
+        if any(c.variant == "distill" for c in todo):   # written once: a random-weight teacher folder
+            t0 = time.perf_counter()
+            preset = args.teacher_preset or ("tiny" if args.model[0] == "tiny" else "git-rsclip-large")
+            args.teacher = str(write_teacher(Path(data_dir) / "teacher", preset,
+                                             Path(args.tokenizer) if args.tokenizer else None))
+            print(f"distill teacher: {preset}, random weights, in {time.perf_counter() - t0:.0f}s", flush=True)
         report = run_cases(todo, args)
     write_report(report, args.out, print_table)
     print(f"wrote {args.out} in {report['seconds']:.0f}s")
@@ -448,9 +461,9 @@ def run_cases(todo: list[Case], args) -> dict:
     return {"config": {"models": args.model, "profiles": args.profiles, "ac": args.ac, "precision": args.precision,
                        "warmup": args.warmup, "seconds": args.seconds, "max_steps": args.max_steps,
                        "data": args.data, "loader_workers": args.loader_workers, "data_images": args.data_images,
-                       "data_px": args.data_px},
+                       "data_px": args.data_px, "variants": args.variants},
             "environment": environment(args.threads, device=device), "cases": rows,
-            "loader_vs_tensor": pair_with_tensor(rows),
+            "loader_vs_tensor": pair_with_tensor(rows), "variants_vs_base": pair_with_base(rows),
             "seconds": time.perf_counter() - t0}
 
 

@@ -70,14 +70,15 @@ def environment() -> dict:
 def steps(args, gpus: int, tmp: Path) -> list[tuple[str, list[str]]]:
     """(name, command) in order; each runs from the repository root."""
     py, model = sys.executable, "tiny" if args.smoke else "git-rsclip-base"
-    short = ["--seconds", "1", "--max-steps", "2", "--warmup", "2", "--ac", "off", "--model", model]
+    # --variants base: the feature variants (benchmarks/gpu_variants.py) are benchmarks.gpu's own default run
+    short = ["--seconds", "1", "--max-steps", "2", "--warmup", "2", "--ac", "off", "--model", model, "--variants", "base"]
     todo = [("parity", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_losses.py",
                         "tests/unit/test_global_accumulation.py"]),
             ("zero_steps", [py, "-m", "benchmarks.gpu", *short, "--profiles", "zero1", "zero2", "zero3",
                             *(["--micro", "2"] if args.smoke else []), "--out", str(tmp / "zero_steps.json")])]
     if not args.smoke:
         todo.append(("mfu", [py, "-m", "benchmarks.gpu", "--model", "git-rsclip-base", "--profiles", "zero2", "zero3",
-                             "--ac", "off", "--seconds", "5", "--out", str(tmp / "mfu.json")]))
+                             "--ac", "off", "--seconds", "5", "--variants", "base", "--out", str(tmp / "mfu.json")]))
     todo.append(("plan", [py, "-m", "rsclip_ds", "plan", "--model", "git-rsclip-base", "--gpus", str(max(gpus, 1)),
                           "--gpu-mem", f"{args.gpu_mem_gib}GiB", "--global-batch", str(32 * max(gpus, 1)), "--json"]))
     return todo

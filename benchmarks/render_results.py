@@ -101,7 +101,13 @@ THROUGHPUT = (
                       note="earlier runs of the same command on a loaded machine, kept for the spread"))),
     Family("throughput-openclip", "Throughput against open_clip's own trainer", throughput.throughput_openclip, (
         Source("throughput_openclip.json",
-               py("throughput.compare", f"{OPENCLIP} --out {R}/throughput_openclip.json")),)),
+               py("throughput.compare", f"{OPENCLIP} --out {R}/throughput_openclip.json")),
+        Source("throughput_openclip_users.json",
+               py("throughput.openclip", "--open-clip runs/openclip-venv --style users --profiles zero2 --precisions "
+                  f"fp32 --openclip-precisions fp32 --repeats 2 --steps 40 --out {R}/throughput_openclip_users.json")),
+        Source("throughput_openclip_peers.json",
+               py("throughput.openclip", "--open-clip runs/openclip-venv --peers patch_dropout compile --peers-only "
+                  f"--precisions fp32 --repeats 2 --steps 40 --out {R}/throughput_openclip_peers.json")))),
     Family("patch-dropout", "Patch dropout 0 / 0.5 / 0.75: samples/s, activations, quality at equal compute",
            throughput.patch_dropout, (
                Source("patch_dropout.json", ds(2, "throughput.patch_dropout", f"--out {R}/patch_dropout.json")),)),

@@ -386,8 +386,8 @@ class Trainer:
 def run_training(run: RunConfig, hooks: Sequence[Hook] = ()) -> dict | None:
     """Build and train one run: the whole of `rsclip-ds train` after argument parsing. CPU ranks
     keep freed host memory for reuse first (host_memory: DeepSpeed's per-step buffers would
-    otherwise be page-faulted in anew every step)."""
-    if not accelerator_is_gpu():
+    otherwise be page-faulted in anew every step), unless distributed.host_memory=release."""
+    if not accelerator_is_gpu() and run.distributed.host_memory == "keep":
         keep_freed_memory()
     with Trainer(run, hooks=hooks) as trainer:
         return trainer.train()

@@ -51,9 +51,11 @@ def openclip_tables(rep: dict) -> list[str]:
     for key, r in s["ratios"].items():
         ours, theirs = key.split(" / ")
         paired.setdefault(ours, []).append(f"{theirs.removeprefix('open_clip/')}: {spread(r, fix)}")
-    out += table(["case", "samples/s median (min..max)", "start-up s", "minor faults / step / rank", "sys ms / step",
+    pss = lambda r: fix(r["peak_pss_gb"]["median"], 2) if r.get("peak_pss_gb", {}).get("median") else "-"
+    out += table(["case", "samples/s median (min..max)", "peak PSS GB (process tree)", "start-up s",
+                  "minor faults / step / rank", "sys ms / step",
                   "samples/s over open_clip's, paired per repeat: median (min..max)"],
-                 [[case, spread(r["samples_per_s"], lambda x: sig(x, 4)), sig(r["startup_s"]["median"]),
+                 [[case, spread(r["samples_per_s"], lambda x: sig(x, 4)), pss(r), sig(r["startup_s"]["median"]),
                    sig(r["minflt_per_step_per_rank"]["median"]), sig(r["sys_ms_per_step"]["median"]),
                    "; ".join(paired.get(case, [])) or "-"] for case, r in s["cases"].items()])
     foreign = max(r["foreign_cpu_share"]["max"] for r in s["cases"].values())
@@ -62,7 +64,13 @@ def openclip_tables(rep: dict) -> list[str]:
 
 
 def throughput_openclip(files: dict) -> list[str]:
-    return openclip_tables(files["throughput_openclip.json"])
+    """The harness-style comparison, then (when measured) the users' style and the peers."""
+    out = openclip_tables(files["throughput_openclip.json"])
+    for name, what in (("throughput_openclip_users.json", "each tool's own thread default, default checkpoints"),
+                       ("throughput_openclip_peers.json", "the same feature on both sides")):
+        if name in files:
+            out += [f"`{name}` ({what}):", "", *openclip_tables(files[name])]
+    return out
 
 
 def _gpu_cases(rep: dict) -> list[str]:
@@ -81,6 +89,11 @@ def _gpu_cases(rep: dict) -> list[str]:
                      [[p["case"], sig(p["tensor_samples_per_s"], 4), sig(p["loader_samples_per_s"], 4),
                        fix(p["loader_over_tensor"], 3), pct(p["data_wait_fraction"], 1), p["loader_workers"]]
                       for p in rep["loader_vs_tensor"]])
+    if rep.get("variants_vs_base"):
+        out += table(["case", "variant", "base samples/s", "variant samples/s", "variant / base", "peak memory ratio"],
+                     [[p["case"], p["variant"], sig(p["base_samples_per_s"], 4), sig(p["variant_samples_per_s"], 4),
+                       fix(p["variant_over_base"], 3), fix(p["peak_memory_ratio"], 2) if p["peak_memory_ratio"] else "-"]
+                      for p in rep["variants_vs_base"]])
     if rep.get("hybrid_vs_zero3"):
         out += table(["case", "samples/s vs zero3", "final loss", "zero3 final loss"],
                      [[p["case"], fix(p["speed_vs_zero3"], 3), fix(p["final_loss"], 4), fix(p["zero3_final_loss"], 4)]

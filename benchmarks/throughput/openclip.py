@@ -5,7 +5,7 @@ model, shards and settings, each launched the way its users launch it.
     python -m benchmarks.throughput.compare --open-clip runs/openclip-venv --out benchmarks/results/throughput_openclip.json
     python -m benchmarks.throughput.compare --open-clip runs/openclip-venv --tiny --out /tmp/oc.json   # ~90 s
 
-The full run: 7 cases x 3 interleaved repeats of 60 steps, ~30 minutes on 2 idle cores (on a
+The full run: 7 cases x 3 interleaved repeats of 60 steps, ~25 minutes on 2 idle cores (on a
 shared machine add --wait-quiet 1800 --max-foreign 0.1: see parse_args). This is a plain
 process; every run is a subprocess, one at a time:
   open_clip   VENV/bin/python -m torch.distributed.run --nproc_per_node 2 benchmarks/throughput/openclip_main.py
@@ -17,14 +17,18 @@ counted on both sides), the shards (128 px JPEG, synthetic), the tokenizer, micr
 rank, global negatives (SigLIP: every rank's images against every rank's texts), AdamW (lr 5e-4,
 betas 0.9/0.98, eps 1e-6, weight decay 0.1 on matrices), warmup 10 then cosine, gradient
 clipping 1.0, random resized crop (0.9..1.0 of the area), one loader worker and one torch thread
-(OMP_NUM_THREADS=1) per rank, a log line every step, no checkpoint, no evaluation.
+(OMP_NUM_THREADS=1) per rank, a log line every step, no checkpoint, no evaluation. `--style users`
+sets no thread variable (each tool's default decides) and keeps both tools' end-of-run checkpoint;
+`--peers patch_dropout compile` adds each feature on both sides at the same setting
+(openclip_cases.py has the cases and both command lines).
 
 Measured per run, from each tool's own log: samples/s over steps skip+1..N (default 6..60),
 start-up (launch to the end of step 1: the step-1 log line's arrival), and, from the kernel, the
 minor page faults and the system (kernel) CPU time of the whole launched process tree: over the
 same steps (/proc/<pid>/stat of every process of the tree, read when the step-`skip` and step-N
-lines arrive) and over the whole run (getrusage(RUSAGE_CHILDREN) before and after); and the share
-of the cores other processes took meanwhile (/proc/stat less the tree). Repeats are
+lines arrive) and over the whole run (getrusage(RUSAGE_CHILDREN) before and after); the tree's
+peak PSS (smaps_rollup of every process, sampled every --pss-interval s); and the share of the
+cores other processes took meanwhile (/proc/stat less the tree). Repeats are
 interleaved (every case once per repeat); ratios are paired within a repeat (rsclip_ds case / the
 open_clip case of the same precision: fp32 / fp32, bf16 / amp_bf16 and bf16 / pure_bf16); the
 report gives medians and min..max.
@@ -45,32 +49,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from benchmarks.harness import ROOT, deepspeed_cmd, environment, free_port, synthetic_data, write_report
+from benchmarks.harness import environment, free_port, synthetic_data, write_report
 from benchmarks.throughput.launch_measure import foreign_share, launch, wait_quiet
+from benchmarks.throughput.openclip_cases import (OPENCLIP_MAIN, OPENCLIP_PRECISIONS, PAIRED, PEERS, RSCLIP_SETS, STYLES,
+                                                  Case, cases, openclip_cmd, rsclip_cmd, tool_env)
 from benchmarks.throughput.openclip_shapes import SHAPES, write_hf_folder, write_openclip_dir
 from benchmarks.throughput.openclip_report import plot, print_tables
 
-OPENCLIP_MAIN = Path(__file__).resolve().parent / "openclip_main.py"
 SETUP = "bash benchmarks/throughput/openclip_env.sh VENV_DIR"
-OPENCLIP_PRECISIONS = ("fp32", "amp_bf16", "pure_bf16")
-# rsclip_ds precision -> the open_clip precisions it is compared with. amp_bf16 keeps fp32 weights
-# and optimizer state as DeepSpeed's bf16 does (fp32 masters); pure_bf16 holds bf16 weights and
-# AdamW states, no fp32 copy: less work per step, another numerical recipe.
-PAIRED = {"fp32": ("fp32",), "bf16": ("amp_bf16", "pure_bf16"), "bf16_masters": ("pure_bf16",)}
-# rsclip_ds's pure-bf16 recipe: bf16 masters and AdamW states (docs/guides/precision.md)
-RSCLIP_SETS = {"fp32": ["precision=fp32"], "bf16": ["precision=bf16"],
-               "bf16_masters": ["precision=bf16", "bf16.master_weights=bf16"]}
-
-
-@dataclass(frozen=True)
-class Case:
-    tool: str                   # "open_clip" or "rsclip_ds"
-    precision: str              # open_clip's --precision, or rsclip_ds's precision
-    profile: str | None = None  # rsclip_ds: a ds_profiles/ name
-
-    @property
-    def name(self) -> str:
-        return "/".join(x for x in (self.tool, self.profile, self.precision) if x)
 
 
 @dataclass(frozen=True)
@@ -91,6 +77,8 @@ class Bench:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     timeout_s: float = 600.0
+    pss_interval: float = 2.0   # seconds between samples of the tree's PSS (launch_measure.PeakPss)
+    style: str = "harness"  # openclip_cases.STYLES: harness (threads set by the driver) or users (tools' defaults)
 
 
 FULL = Bench("siglip-20m", steps=60, repeats=3, skip=5, micro=16, ranks=2, workers=1, threads=1, device="cpu",
@@ -109,16 +97,6 @@ def one_rank_bench(shape: str, micro: int, steps: int, workers: int, timeout_s: 
     return Bench(shape, steps=steps, repeats=1, skip=max(1, steps // 4), micro=micro, ranks=1, workers=workers,
                  threads=1, device=device, num_train=shards * shard, shard_size=shard, warmup=min(10, steps - 1),
                  timeout_s=timeout_s)
-
-
-def cases(openclip_precisions, profiles, precisions) -> list[Case]:
-    """The run order within a repeat: each open_clip case right before the rsclip_ds cases
-    compared with it (the same machine state for a pair)."""
-    out: list[Case] = []
-    for precision in precisions:   # an open_clip case paired twice (bf16, bf16_masters) runs once
-        out += [c for p in PAIRED[precision] if p in openclip_precisions and (c := Case("open_clip", p)) not in out]
-        out += [Case("rsclip_ds", precision, profile) for profile in profiles]
-    return out + [Case("open_clip", p) for p in openclip_precisions if Case("open_clip", p) not in out]
 
 
 # --------------------------------------------------------------------------- set-up
@@ -169,51 +147,6 @@ def openclip_count(inputs: Inputs, name: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# --------------------------------------------------------------------------- commands
-
-def tool_env(tool: str, device: str, threads: int) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR"):
-        env.pop(key, None)
-    if tool == "rsclip_ds":
-        env["PYTHONPATH"] = str(ROOT)   # the ranks import this tree, whatever an install points at
-        if device == "cpu":
-            env["DS_ACCELERATOR"] = "cpu"
-    else:
-        env.pop("PYTHONPATH", None)     # the venv sees nothing of this environment
-    return env
-
-
-def openclip_cmd(bench: Bench, case: Case, inputs: Inputs, port: int, name: str) -> list[str]:
-    shape = SHAPES[bench.shape]
-    return [str(inputs.venv / "bin" / "python"), "-m", "torch.distributed.run", "--nproc_per_node", str(bench.ranks),
-            "--master_port", str(port), str(OPENCLIP_MAIN), "--model-dir", str(inputs.openclip_dir),
-            "--openclip-logs", "none",   # no checkpoint (and no log folder beyond ./none/NAME/)
-            "--model", shape.openclip_name, "--siglip", "--precision", case.precision, "--device", bench.device,
-            "--train-data", inputs.train_pattern, "--dataset-type", "webdataset",
-            "--train-num-samples", str(bench.steps * bench.micro * bench.ranks), "--epochs", "1",
-            "--batch-size", str(bench.micro), "--workers", str(bench.workers),
-            "--lr", str(bench.lr), "--beta1", "0.9", "--beta2", "0.98", "--eps", "1e-6", "--wd", str(bench.weight_decay),
-            "--warmup", str(bench.warmup), "--grad-clip-norm", str(bench.grad_clip), "--seed", "0",
-            "--image-mean", "0.5", "0.5", "0.5", "--image-std", "0.5", "0.5", "0.5",
-            "--log-every-n-steps", "1", "--save-frequency", "0", "--zeroshot-frequency", "0",
-            "--val-frequency", "0", "--report-to", "none", "--name", name]
-
-
-def rsclip_cmd(bench: Bench, case: Case, inputs: Inputs, port: int, out_dir: Path) -> list[str]:
-    sets = [f"profile={case.profile}", *RSCLIP_SETS[case.precision], f"steps={bench.steps}", "seed=0",
-            f"output_dir={out_dir}", f"model.pretrained={inputs.hf_folder}", "loss.name=siglip",
-            "loss.negatives=global", f"batch.micro_batch_size={bench.micro}", "batch.gradient_accumulation_steps=1",
-            f"data.train_shards={inputs.train_pattern}", f"data.num_workers={bench.workers}",
-            "data.random_resized_crop=[0.9,1.0]", f"optim.lr={bench.lr}", "optim.betas=[0.9,0.98]",
-            "optim.eps=1e-6", f"optim.weight_decay={bench.weight_decay}", f"optim.warmup_steps={bench.warmup}",
-            f"optim.gradient_clipping={bench.grad_clip}", "logging.log_every=1", "logging.progress=plain",
-            "checkpoint.at_end=false"]
-    return deepspeed_cmd() + ["--num_gpus", str(bench.ranks), "--master_port", str(port), "--module", "rsclip_ds",
-                              "train"] + [a for s in sets for a in ("--set", s)]
-
-
 # --------------------------------------------------------------------------- the logs
 
 # open_clip_train/train.py, rank 0, every --log-every-n-steps: samples so far (all ranks), and
@@ -261,14 +194,19 @@ def run_case(bench: Bench, case: Case, inputs: Inputs, run_dir: Path, quiet_s: f
     run_dir.mkdir(parents=True, exist_ok=True)
     port, global_batch = free_port(), bench.micro * bench.ranks
     if case.tool == "open_clip":
-        cmd = openclip_cmd(bench, case, inputs, port, run_dir.name)
+        cmd = openclip_cmd(bench, case, inputs, port, run_dir.name, bench.style)
     else:
-        cmd = rsclip_cmd(bench, case, inputs, port, run_dir / "out")
+        cmd = rsclip_cmd(bench, case, inputs, port, run_dir / "out", bench.style)
     parse, rate = TOOLS[case.tool]
     busy = wait_quiet(quiet_s)
-    r = launch(cmd, tool_env(case.tool, bench.device, bench.threads), run_dir, bench.timeout_s,
-               lambda line: parse(line, global_batch), {bench.skip, bench.steps}, run_dir / "log.txt")
+    threads = bench.threads if bench.style == "harness" else None   # users: each tool's own default
+    r = launch(cmd, tool_env(case.tool, bench.device, threads), run_dir, bench.timeout_s,
+               lambda line: parse(line, global_batch), {bench.skip, bench.steps}, run_dir / "log.txt",
+               bench.pss_interval)
     row = {"case": case.name, **asdict(case), "ok": False, "cpu_busy_before": busy, "wall_s": r.wall_s,
+           "peak_pss_bytes": r.peak_pss, "peak_pss_by_command": r.peak_pss_by_command,
+           "pss_sampler_cpu_s": r.pss_sampler_cpu_s,
+           "threads": threads_said(case, run_dir / "log.txt"),
            "log": str(run_dir / "log.txt"), "command": cmd}
     missing = [s for s in (1, bench.skip, bench.steps) if s not in r.steps]
     if r.rc != 0 or missing or set(r.marks) != {bench.skip, bench.steps}:
@@ -285,12 +223,28 @@ def run_case(bench: Bench, case: Case, inputs: Inputs, run_dir: Path, quiet_s: f
         steps_logged=len(r.steps), first_loss=r.steps[1]["loss"], final_loss=r.steps[bench.steps]["loss"],
         samples_trained=trained_samples(case, r.steps[bench.steps], run_dir),
         steady={"steps": n, "processes": window[1]["processes"], **steady,
+                "pss_bytes_at_first": window[0]["pss"], "pss_bytes_at_last": window[1]["pss"],   # growth over the steps
                 "foreign_cpu_share": foreign_share(*window),   # other jobs' share of the cores meanwhile
                 "minflt_per_step_per_rank": steady["minflt"] / n / bench.ranks,
                 "sys_ms_per_step": 1e3 * steady["sys_s"] / n, "user_ms_per_step": 1e3 * steady["user_s"] / n},
         whole_run={**r.rusage, "minflt_per_step_per_rank": r.rusage["minflt"] / bench.steps / bench.ranks,
                    "sys_ms_per_step": 1e3 * r.rusage["sys_s"] / bench.steps})
     return row
+
+
+# what sets each rank's threads, as the tools say it: torchrun's warning when it sets
+# OMP_NUM_THREADS itself, rsclip_ds's start-up line
+THREAD_LINES = {"open_clip": re.compile(r"Setting OMP_NUM_THREADS environment variable for each process to be (\d+)"),
+                "rsclip_ds": re.compile(r"threads per rank: (\d+) \((.*)\)")}
+
+
+def threads_said(case: Case, log: Path) -> str | None:
+    """The thread count the launch used, from its log; None when the log does not say (open_clip
+    with OMP_NUM_THREADS given: torchrun passes it on silently)."""
+    m = THREAD_LINES[case.tool].search(log.read_text(errors="replace")) if log.is_file() else None
+    if not m:
+        return None
+    return m[1] if case.tool == "open_clip" else f"{m[1]} ({m[2]})"
 
 
 def trained_samples(case: Case, last: dict, run_dir: Path) -> int:
@@ -313,7 +267,9 @@ def compare(bench: Bench, todo: list[Case], venv: Path, data_root: Path, work: P
     discarded attempts measured. `partial`: the report so far is written there after every run
     (a long run stopped early keeps what it measured)."""
     t0 = time.perf_counter()
-    config = {**asdict(bench), "cases": [c.name for c in todo], "paired": PAIRED}
+    config = {**asdict(bench), "cases": [c.name for c in todo], "paired": PAIRED,
+              "peers": {c.peer: PEERS[c.peer] for c in todo if c.peer},
+              "thread_env": f"OMP_NUM_THREADS={bench.threads}" if bench.style == "harness" else "none (tools' defaults)"}
     inputs, models = prepare(bench, check_venv(venv), data_root)
     say(f"model {bench.shape}: rsclip_ds {models['rsclip_ds_parameters']:,} parameters, open_clip "
         f"{models['open_clip_parameters']:,} ({models['open_clip_over_rsclip_ds']:.4f}x)")
@@ -367,17 +323,22 @@ def summarize(rows: list[dict], todo: list[Case]) -> dict:
             "minflt_per_step_per_rank": _spread([r["steady"]["minflt_per_step_per_rank"] for r in rs]),
             "sys_ms_per_step": _spread([r["steady"]["sys_ms_per_step"] for r in rs]),
             "user_ms_per_step": _spread([r["steady"]["user_ms_per_step"] for r in rs]),
+            "cpu_ms_per_step": _spread([r["steady"]["user_ms_per_step"] + r["steady"]["sys_ms_per_step"] for r in rs]),
+            "peak_pss_gb": _spread([r.get("peak_pss_bytes", 0) / 1e9 for r in rs]),
             "whole_run_minflt_per_step_per_rank": _spread([r["whole_run"]["minflt_per_step_per_rank"] for r in rs]),
             "whole_run_sys_ms_per_step": _spread([r["whole_run"]["sys_ms_per_step"] for r in rs])}
     for case in todo:
         if case.tool != "rsclip_ds":
             continue
-        for oc in PAIRED[case.precision]:
-            ours, theirs = ok[case.name], ok.get(f"open_clip/{oc}", {})
-            pairs = [(ours[k]["samples_per_s"], theirs[k]["samples_per_s"]) for k in sorted(ours) if k in theirs]
+        for partner in case.partners():
+            ours, theirs = ok[case.name], ok.get(partner, {})
+            pairs = [(ours[k], theirs[k]) for k in sorted(ours) if k in theirs]
             if pairs:
-                per_repeat = [a / b for a, b in pairs]
-                out["ratios"][f"{case.name} / open_clip/{oc}"] = {**_spread(per_repeat), "per_repeat": per_repeat}
+                per_repeat = [a["samples_per_s"] / b["samples_per_s"] for a, b in pairs]
+                pss = [a["peak_pss_bytes"] / b["peak_pss_bytes"] for a, b in pairs
+                       if a.get("peak_pss_bytes") and b.get("peak_pss_bytes")]
+                out["ratios"][f"{case.name} / {partner}"] = {**_spread(per_repeat), "per_repeat": per_repeat,
+                                                             "peak_pss_ratio": _spread(pss) if pss else None}
     return out
 
 
@@ -401,7 +362,23 @@ def parse_args(argv):
                         help="where the synthetic shards and the model folders go (reused when present)")
     parser.add_argument("--work", type=Path, default=Path("runs/bench_openclip"), help="every run's log and output")
     parser.add_argument("--timeout", type=float, help="seconds before a run is killed")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (--style harness)")
+    parser.add_argument("--style", choices=STYLES, default="harness",
+                        help="harness: the driver sets OMP_NUM_THREADS=--threads for both tools; users: it sets no "
+                             "thread variable and each tool's own default decides (torchrun's 1 per rank, "
+                             "rsclip_ds's distributed.threads_per_rank=auto), and both keep their default "
+                             "end-of-run checkpoint (openclip_cases.py)")
+    parser.add_argument("--peers", nargs="*", default=[], choices=list(PEERS),
+                        help="also run each feature on both sides at the same setting: patch_dropout (open_clip "
+                             "--force-patch-dropout 0.5 / model.patch_dropout=0.5), compile (--torchcompile / "
+                             "compile.enabled=true)")
+    parser.add_argument("--peer-profile", default="zero2", help="the rsclip_ds profile of the peer cases")
+    parser.add_argument("--peer-precisions", nargs="*", choices=list(RSCLIP_SETS),
+                        help="rsclip_ds precisions of the peer cases, each against its first open_clip partner "
+                             "(default: --precisions)")
+    parser.add_argument("--peers-only", action="store_true", help="run the peer cases only")
+    parser.add_argument("--pss-interval", type=float, default=2.0, metavar="SECONDS",
+                        help="seconds between samples of the process tree's PSS (each costs ~0.1 s of CPU)")
     parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                         help="before each run, wait up to this long for other processes to leave the cores idle "
                              "(a shared machine); the busy fraction before each run is recorded either way")
@@ -414,7 +391,8 @@ def parse_args(argv):
 
 def bench_config(args) -> Bench:
     over = {k: v for k, v in (("repeats", args.repeats), ("steps", args.steps), ("skip", args.skip),
-                              ("timeout_s", args.timeout), ("threads", args.threads)) if v is not None}
+                              ("timeout_s", args.timeout), ("threads", args.threads), ("style", args.style),
+                              ("pss_interval", args.pss_interval)) if v is not None}
     bench = replace(TINY if args.tiny else FULL, **over)
     if not 1 <= bench.skip < bench.steps:
         raise SystemExit(f"--skip {bench.skip} must be at least 1 and below --steps {bench.steps}")
@@ -425,7 +403,10 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwinds through launch(), which stops the run
     bench = bench_config(args)
-    todo = cases(args.openclip_precisions, args.profiles, args.precisions)
+    if args.peers_only and not args.peers:
+        raise SystemExit("--peers-only needs --peers NAME...")
+    todo = cases(args.openclip_precisions, args.profiles, args.precisions, args.peers, args.peer_profile,
+                 args.peer_precisions, base=not args.peers_only)
     partial = args.out.with_suffix(".partial.json")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = compare(bench, todo, args.open_clip, args.data, args.work, say=lambda m: print(m, flush=True),

@@ -24,17 +24,19 @@ def print_tables(report: dict) -> None:
                   f"{m['open_clip_env']}")
     table = Table(title=f"global samples/s over steps {cfg['skip'] + 1}..{cfg['steps']}, from each tool's log "
                         f"({cfg['ranks']} ranks, {cfg['device']}, micro {cfg['micro']}, {cfg['threads']} thread(s) "
-                        f"per rank, {cfg['repeats']} interleaved repeats)")
+                        f"per rank, {cfg['repeats']} interleaved repeats, threads: {cfg.get('thread_env', 'OMP_NUM_THREADS=1')})")
     table.add_column("case", no_wrap=True)
-    for col in ("median", "min..max", "line-arrival median", "start-up s", "minor faults /step/rank",
+    for col in ("median", "min..max", "line-arrival median", "peak PSS GB", "start-up s", "minor faults /step/rank",
                 "sys ms/step", "user ms/step", "whole run: faults /step/rank", "sys ms/step", "others' CPU share, max"):
         table.add_column(col, justify="right")
     for name, c in report["summary"]["cases"].items():
         if not c["runs"]:
-            table.add_row(name, "failed", *[""] * 9)
+            table.add_row(name, "failed", *[""] * 10)
             continue
         rate = c["samples_per_s"]
+        pss = c.get("peak_pss_gb")
         table.add_row(name, f"{rate['median']:.2f}", _mm(rate), f"{c['samples_per_s_wall']['median']:.2f}",
+                      f"{pss['median']:.2f}" if pss and pss["median"] else "-",
                       f"{c['startup_s']['median']:.1f}", f"{c['minflt_per_step_per_rank']['median']:.0f}",
                       f"{c['sys_ms_per_step']['median']:.0f}", f"{c['user_ms_per_step']['median']:.0f}",
                       f"{c['whole_run_minflt_per_step_per_rank']['median']:.0f}",
@@ -42,10 +44,12 @@ def print_tables(report: dict) -> None:
     console.print(table)
     ratios = Table(title="rsclip_ds / open_clip, paired within each repeat (> 1: rsclip_ds faster)")
     ratios.add_column("ratio", no_wrap=True)
-    for col in ("median", "min..max", "per repeat"):
+    for col in ("median", "min..max", "per repeat", "peak PSS ratio (median)"):
         ratios.add_column(col, justify="right")
     for name, r in report["summary"]["ratios"].items():
-        ratios.add_row(name, f"{r['median']:.3f}", _mm(r, ".3f"), " ".join(f"{x:.3f}" for x in r["per_repeat"]))
+        pss = r.get("peak_pss_ratio")
+        ratios.add_row(name, f"{r['median']:.3f}", _mm(r, ".3f"), " ".join(f"{x:.3f}" for x in r["per_repeat"]),
+                       f"{pss['median']:.2f}" if pss else "-")
     console.print(ratios)
     discarded = sum(len(r.get("discarded_attempts", [])) for r in report["runs"])
     if discarded:

@@ -10,7 +10,12 @@ benchmarks/throughput/compare.py --open-clip, ZeRO-2 fp32, 2 ranks, 488 MB of mi
 264 ms of kernel time per step per rank against 153 MB / 84 ms for DDP with torch's AdamW.
 `keep_freed_memory` sets malloc to serve everything from one heap (no mmap, one arena for all
 threads) and never trim it: 6-12 MB and ~60 ms per step. The resident set then stays at the
-run's high-water mark, as GPU memory does under the caching allocator.
+run's high-water mark, as GPU memory does under the caching allocator -- and, unlike that
+allocator's, the mark creeps up: freed blocks fragment the one heap, so a step's buffers do not
+always fit where the last step's were (issue 28, the same run: the process tree's PSS 2.9 GB at
+step 5, 5.1 GB at step 50; 0.6 GB per rank flat without it, 1.0 -> 1.5-1.8 GB with it over 40
+steps; per-thread arenas or 5M-element buckets grow as well, a malloc_trim every 10 steps costs
+12% more CPU). `distributed.host_memory=release` (settings.py) leaves glibc's defaults.
 """
 
 from __future__ import annotations

@@ -89,3 +89,9 @@ class DistributedConfig(Strict):
         "auto: the training precision (DeepSpeed's default: bf16 sums are rounded to bf16 on the wire), "
         "except fp16 under ZeRO++ qgZ, whose quantizer kernel reads only fp16 (zero3_zeropp). fp32 "
         "doubles the gradient bytes of a bf16 run (rsclip-ds plan follows it).")
+    host_memory: Literal["keep", "release"] = Field(
+        "keep", description="CPU ranks' host allocator (runtime/host_memory.py). keep: glibc malloc keeps "
+        "freed memory for reuse, so DeepSpeed's per-step buffers are not page-faulted in anew each step "
+        "(measured on a 20M-parameter ZeRO-2 fp32 run, 2 ranks: 23% less CPU per step) at the price of a "
+        "resident set that holds every step's transient peak and grows with fragmentation (that run: "
+        "0.6 GB per rank with release, 1.0-1.8 GB with keep). release: glibc's defaults. GPU runs: no effect.")

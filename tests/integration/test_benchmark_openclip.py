@@ -89,6 +89,39 @@ def test_cases_put_each_pair_together_and_ratios_pair_within_a_repeat(driver):
     assert summary["cases"]["open_clip/fp32"]["runs"] == 2
 
 
+def test_peer_cases_pair_with_the_open_clip_case_of_the_same_peer(driver):
+    todo = driver.cases(["fp32", "amp_bf16"], ["zero1", "zero2"], ["fp32", "bf16"], ["patch_dropout"],
+                        peer_precisions=["bf16"])
+    assert [c.name for c in todo][-2:] == ["open_clip/amp_bf16+patch_dropout", "rsclip_ds/zero2/bf16+patch_dropout"]
+    assert todo[-1].partners() == ["open_clip/amp_bf16+patch_dropout", "open_clip/pure_bf16+patch_dropout"]
+    only = driver.cases(["fp32"], ["zero2"], ["fp32"], ["patch_dropout", "compile"], base=False)
+    assert [c.name for c in only] == ["open_clip/fp32+patch_dropout", "rsclip_ds/zero2/fp32+patch_dropout",
+                                      "open_clip/fp32+compile", "rsclip_ds/zero2/fp32+compile"]
+    rows = [{"case": c.name, "repeat": 0, "ok": True, "samples_per_s": v, "samples_per_s_wall": v, "startup_s": 1.0,
+             "cpu_busy_before": 0.0, "peak_pss_bytes": pss,
+             "steady": {"minflt_per_step_per_rank": 1.0, "sys_ms_per_step": 1.0, "user_ms_per_step": 1.0,
+                        "foreign_cpu_share": 0.0},
+             "whole_run": {"minflt_per_step_per_rank": 1.0, "sys_ms_per_step": 1.0}}
+            for c, v, pss in zip(only[:2], (40.0, 50.0), (2e9, 3e9))]
+    ratio = driver.summarize(rows, only[:2])["ratios"]["rsclip_ds/zero2/fp32+patch_dropout / open_clip/fp32+patch_dropout"]
+    assert ratio["per_repeat"] == [1.25] and ratio["peak_pss_ratio"]["median"] == 1.5
+
+
+def test_each_peer_is_its_flag_on_both_sides_and_the_users_style_sets_no_threads(driver, tmp_path, monkeypatch):
+    bench, inputs = driver.TINY, driver.Inputs(tmp_path, "/d/train-{0..1}.tar", tmp_path, tmp_path / "hf", tmp_path)
+    pd = driver.Case("open_clip", "fp32", peer="patch_dropout")
+    assert driver.openclip_cmd(bench, pd, inputs, 1, "n")[-2:] == ["--force-patch-dropout", "0.5"]
+    assert "--torchcompile" in driver.openclip_cmd(bench, driver.Case("open_clip", "fp32", peer="compile"), inputs, 1, "n")
+    ours = driver.rsclip_cmd(bench, driver.Case("rsclip_ds", "fp32", "zero2", "patch_dropout"), inputs, 1, tmp_path)
+    assert ours[-2:] == ["--set", "model.patch_dropout=0.5"] and "checkpoint.at_end=false" in ours
+    users = driver.rsclip_cmd(bench, driver.Case("rsclip_ds", "fp32", "zero2"), inputs, 1, tmp_path, "users")
+    assert "checkpoint.at_end=false" not in users   # the default end-of-run checkpoint stays
+    assert "--save-frequency" not in driver.openclip_cmd(bench, pd, inputs, 1, "n", "users")
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")   # the driver's own: never passed on in the users style
+    assert "OMP_NUM_THREADS" not in driver.tool_env("rsclip_ds", "cpu", None)
+    assert driver.tool_env("open_clip", "cpu", 1)["OMP_NUM_THREADS"] == "1"
+
+
 # --------------------------------------------------------------------------- the launches
 
 
@@ -108,14 +141,16 @@ def siglip_parameters(width: int, depth: int, mlp: int, patch: int, image: int, 
 def report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("openclip")
     return run_benchmark("throughput.compare", "--open-clip", VENV, "--tiny", "--data", str(tmp / "data"),
-                         "--work", str(tmp / "work"), out=tmp / "throughput_openclip.json", ranks=None, timeout=420)
+                         "--work", str(tmp / "work"), "--peers", "patch_dropout", "--peer-precisions", "fp32",
+                         out=tmp / "throughput_openclip.json", ranks=None, timeout=540)
 
 
 @launches
 def test_every_case_trained_its_steps_on_both_tools(report):
     cfg = report["config"]
     assert cfg["cases"] == ["open_clip/fp32", "rsclip_ds/zero1/fp32", "rsclip_ds/zero2/fp32", "open_clip/amp_bf16",
-                            "open_clip/pure_bf16", "rsclip_ds/zero1/bf16", "rsclip_ds/zero2/bf16"]
+                            "open_clip/pure_bf16", "rsclip_ds/zero1/bf16", "rsclip_ds/zero2/bf16",
+                            "open_clip/fp32+patch_dropout", "rsclip_ds/zero2/fp32+patch_dropout"]
     assert [r["case"] for r in report["runs"]] == cfg["cases"] * cfg["repeats"]
     for r in report["runs"]:
         assert r["ok"], r
@@ -161,6 +196,11 @@ def test_the_whole_process_tree_was_measured(report):
         assert 0 <= steady["foreign_cpu_share"] <= 1 and 0 <= r["cpu_busy_before"] <= 1
         whole = r["whole_run"]
         assert whole["minflt"] >= steady["minflt"] and whole["user_s"] >= steady["user_s"]
+        # host memory: the tree's PSS, sampled and at both marks; the ranks' program holds most of it
+        rank_program = {"open_clip": "openclip_main.py", "rsclip_ds": "rsclip_ds"}[r["tool"]]
+        assert r["peak_pss_bytes"] >= max(steady["pss_bytes_at_first"], steady["pss_bytes_at_last"]) > 0, r
+        assert max(r["peak_pss_by_command"], key=r["peak_pss_by_command"].get) == rank_program, r
+        assert sum(r["peak_pss_by_command"].values()) == r["peak_pss_bytes"]
 
 
 @launches
@@ -168,7 +208,8 @@ def test_ratios_are_paired_within_each_repeat(report):
     runs = {(r["case"], r["repeat"]): r["samples_per_s"] for r in report["runs"]}
     ratios = report["summary"]["ratios"]
     assert set(ratios) == {f"rsclip_ds/{p}/fp32 / open_clip/fp32" for p in ("zero1", "zero2")} | \
-        {f"rsclip_ds/{p}/bf16 / open_clip/{oc}" for p in ("zero1", "zero2") for oc in ("amp_bf16", "pure_bf16")}
+        {f"rsclip_ds/{p}/bf16 / open_clip/{oc}" for p in ("zero1", "zero2") for oc in ("amp_bf16", "pure_bf16")} | \
+        {"rsclip_ds/zero2/fp32+patch_dropout / open_clip/fp32+patch_dropout"}
     for name, r in ratios.items():
         ours, theirs = name.split(" / ")
         assert r["per_repeat"] == [runs[ours, k] / runs[theirs, k] for k in range(report["config"]["repeats"])]
@@ -180,17 +221,20 @@ def gpu_report(tmp_path_factory) -> dict:
     """benchmarks/gpu.py --open-clip on CPU with the tiny shape: its one-rank comparison (~40 s)."""
     tmp = tmp_path_factory.mktemp("openclip_gpu")
     return run_benchmark("gpu", "--open-clip", VENV, "--model", "tiny", "--openclip-steps", "8",
-                         "--loader-workers", "1", out=tmp / "gpu_openclip.json", ranks=None, timeout=300)
+                         "--loader-workers", "1", "--openclip-peers", "patch_dropout", out=tmp / "gpu_openclip.json",
+                         ranks=None, timeout=400)
 
 
 @launches
 def test_gpu_script_compares_on_one_rank(gpu_report):
     cfg = gpu_report["config"]
     assert (cfg["ranks"], cfg["shape"], cfg["steps"], cfg["skip"]) == (1, "tiny", 8, 2)
-    assert cfg["cases"] == ["open_clip/amp_bf16", "open_clip/pure_bf16", "rsclip_ds/zero2/bf16"]
+    assert cfg["cases"] == ["open_clip/amp_bf16", "open_clip/pure_bf16", "rsclip_ds/zero2/bf16",
+                            "open_clip/amp_bf16+patch_dropout", "rsclip_ds/zero2/bf16+patch_dropout"]
     for r in gpu_report["runs"]:
         assert r["ok"], r
         assert r["samples_trained"] == cfg["steps"] * cfg["micro"] and r["samples_per_s"] > 0
         assert r["steady"]["processes"] == {"open_clip": 1, "rsclip_ds": 2}[r["tool"]] + 2   # rank + worker
     assert set(gpu_report["summary"]["ratios"]) == {"rsclip_ds/zero2/bf16 / open_clip/amp_bf16",
-                                                     "rsclip_ds/zero2/bf16 / open_clip/pure_bf16"}
+                                                     "rsclip_ds/zero2/bf16 / open_clip/pure_bf16",
+                                                     "rsclip_ds/zero2/bf16+patch_dropout / open_clip/amp_bf16+patch_dropout"}

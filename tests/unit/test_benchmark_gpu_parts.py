@@ -94,3 +94,38 @@ def test_mfu_is_per_device_at_the_runs_precision(gpu):
     # 8 ranks at 800 samples/s in all, 1e12 FLOPs each, on 1e15 FLOP/s devices: 10% each (not 80%)
     assert mfu_per_device(1e12, 800.0, 8, 1e15) == pytest.approx(0.1)
     assert mfu_per_device(1e12, 800.0, 8, None) is None
+
+
+def test_variants_run_on_one_case_right_after_their_base_twin(gpu):
+    """The default grid (2 presets x 2 profiles x AC off/on) gets the three variants on
+    git-rsclip-base / zero2 / no AC only: 8 + 3 cases, each variant with the overrides of its feature."""
+    todo = gpu.cases(["git-rsclip-base", "git-rsclip-large"], ["zero2", "zero3"], [False, True], None, ["tensor"],
+                     ["base", "patch_dropout", "compile", "distill"])
+    names = [c.name for c in todo]
+    assert len(todo) == 11 and names[:4] == ["git-rsclip-base/zero2/no-ac/micro256",
+                                             "git-rsclip-base/zero2/no-ac/micro256/+patch_dropout",
+                                             "git-rsclip-base/zero2/no-ac/micro256/+compile",
+                                             "git-rsclip-base/zero2/no-ac/micro256/+distill"]
+    assert [c.variant for c in todo[4:]] == ["base"] * 7
+    # a tiny smoke grid: the variants go on its first preset's zero2 case; loader cases stay base
+    tiny = gpu.cases(["tiny"], ["zero2"], [False], None, ["tensor", "loader"], ["base", "patch_dropout"])
+    assert [(c.data, c.variant) for c in tiny] == [("tensor", "base"), ("tensor", "patch_dropout"), ("loader", "base")]
+    assert [c.name for c in gpu.cases(["tiny"], ["zero2"], [False], None, ["tensor"], ["patch_dropout"])] == \
+        ["tiny/zero2/no-ac/micro8", "tiny/zero2/no-ac/micro8/+patch_dropout"]   # the twin it is read against
+
+
+def test_variant_overrides_and_their_pairing_with_the_base_case():
+    from benchmarks.gpu_variants import pair_with_base, variant_overrides
+
+    assert variant_overrides("base") == [] and variant_overrides("patch_dropout") == ["model.patch_dropout=0.5"]
+    assert variant_overrides("compile") == ["compile.enabled=true"]
+    assert variant_overrides("distill", "/t") == ["distill.teacher=/t", "distill.weight=1.0"]
+    with pytest.raises(ValueError, match="teacher folder"):
+        variant_overrides("distill")
+    base = {"preset": "p", "profile": "zero2", "checkpointing": False, "micro": 8, "ok": True, "data": "tensor"}
+    rows = [{**base, "case": "b", "variant": "base", "samples_per_s": 100.0, "peak_memory_bytes": 10},
+            {**base, "case": "b/+pd", "variant": "patch_dropout", "samples_per_s": 150.0, "peak_memory_bytes": 6},
+            {**base, "case": "b/+c", "variant": "compile", "ok": False}]
+    [pair] = pair_with_base(rows)
+    assert (pair["case"], pair["variant"], pair["variant_over_base"], pair["peak_memory_ratio"]) == \
+        ("b", "patch_dropout", 1.5, 0.6)

@@ -74,3 +74,33 @@ def test_freed_buffers_stay_in_the_heap_instead_of_being_unmapped_every_step():
     for s in kept["steps"]:
         assert s["held_in"] == "[heap]" and s["heap_after_free"] == s["heap_at_peak"] >= 290 * 10**6, kept
     assert kept["steps"][0]["faults"] > 0   # the first step grows the heap: new memory is faulted in
+
+
+def test_release_leaves_glibc_defaults_and_keep_is_the_default(monkeypatch):
+    """distributed.host_memory: run_training keeps freed memory on CPU ranks unless told release."""
+    import rsclip_ds.trainer as trainer
+    from rsclip_ds.config import load_config
+
+    calls = []
+
+    class NoTraining:   # run_training's Trainer, without building a run
+        def __init__(self, run, hooks=()):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def train(self):
+            return {}
+
+    monkeypatch.setattr(trainer, "keep_freed_memory", lambda: calls.append("keep") or True)
+    monkeypatch.setattr(trainer, "accelerator_is_gpu", lambda: False)
+    monkeypatch.setattr(trainer, "Trainer", NoTraining)
+    assert load_config(None, []).distributed.host_memory == "keep"
+    for setting, expected in (("keep", ["keep"]), ("release", [])):
+        calls.clear()
+        trainer.run_training(load_config(None, [f"distributed.host_memory={setting}"]))
+        assert calls == expected, setting

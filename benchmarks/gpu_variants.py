@@ -1,0 +1,96 @@
+"""benchmarks/gpu.py's variants: one case measured again with a feature on, as config overrides on
+the same run (the same model, batch, profile and precision):
+
+  base           nothing added (the case as the grid measures it)
+  patch_dropout  model.patch_dropout=0.5 (FLIP: half the image tokens; rsclip_ds/patch_dropout.py)
+  compile        compile.enabled=true (torch.compile of the model)
+  distill        distill.teacher=<folder> distill.weight=1.0: a teacher of git-rsclip-large's shape with
+                 random weights, written once per command (write_teacher); the time of its forward
+                 is part of every step
+
+Variants other than base run on one case only (VARIANT_CASE: git-rsclip-base, ZeRO-2, no
+activation checkpointing, the preset's micro-batch), so the default command adds three cases to
+the grid's eight (~45 s each, compile's first step longer) and stays under 10 minutes on an H200.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+VARIANTS = ("base", "patch_dropout", "compile", "distill")
+TEACHER_PRESET = "git-rsclip-large"
+# (preset, profile, activation checkpointing) of the case the non-base variants run on
+VARIANT_CASE = ("git-rsclip-base", "zero2", False)
+
+
+def variant_overrides(variant: str, teacher: str | None = None) -> list[str]:
+    """The `--set` overrides a variant adds to its case's run."""
+    if variant == "base":
+        return []
+    if variant == "patch_dropout":
+        return ["model.patch_dropout=0.5"]
+    if variant == "compile":
+        return ["compile.enabled=true"]
+    if variant == "distill":
+        if not teacher:
+            raise ValueError("the distill variant needs a teacher folder (write_teacher)")
+        return [f"distill.teacher={teacher}", "distill.weight=1.0"]
+    raise ValueError(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}")
+
+
+def variant_case(preset: str, profile: str, checkpointing: bool, first_preset: str) -> bool:
+    """Whether a grid case also runs the non-base variants: VARIANT_CASE, or, when the grid does
+    not hold git-rsclip-base (a CPU smoke test: --model tiny), its first preset's ZeRO-2 case
+    without checkpointing."""
+    want = VARIANT_CASE[0] if VARIANT_CASE[0] == first_preset else first_preset
+    return (preset, profile, checkpointing) == (want, *VARIANT_CASE[1:])
+
+
+def write_teacher(out: Path, preset: str = TEACHER_PRESET, tokenizer_dir: Path | None = None) -> Path:
+    """A Hugging Face folder of `preset`'s shape with seeded random weights and a tokenizer:
+    what `distill.teacher=<folder>` loads. The tokenizer is the given one, or one trained here on
+    a few synthetic captions (ids below every preset's vocabulary). Reused when present."""
+    from rsclip_ds.model import load_tokenizer, preset_bundle, save_pretrained
+
+    if (out / "model.safetensors").is_file():
+        return out
+    if tokenizer_dir is None:
+        tokenizer_dir = _small_tokenizer(out.parent / "teacher_tokenizer")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    bundle = preset_bundle(preset, tokenizer, seed=1, own_vocabulary=True)
+    out.mkdir(parents=True, exist_ok=True)
+    save_pretrained(bundle.model, tokenizer, out)
+    return out
+
+
+def _small_tokenizer(out: Path) -> Path:
+    from rsclip_ds.data.synthetic import make_synthetic
+    from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
+
+    if (out / "tokenizer.json").is_file():
+        return out
+    root = out.parent / "teacher_captions"
+    index = make_synthetic(root, num_train=64, num_val=1, shard_size=64, image_size=32, seed=0, progress=False)
+    train_tokenizer(iter_captions([str(root / s["url"]) for s in index["train"]]), out, vocab_size=500,
+                    max_length=64)
+    return out
+
+
+def pair_with_base(rows: list[dict]) -> list[dict]:
+    """Each ok variant row with its ok base twin (same preset, profile, checkpointing, micro, the
+    tensor batch): variant / base samples/s and peak memory."""
+    key = lambda r: (r["preset"], r["profile"], r["checkpointing"], r["micro"])
+    base = {key(r): r for r in rows if r.get("ok") and r.get("data", "tensor") == "tensor"
+            and r.get("variant", "base") == "base"}
+    pairs = []
+    for r in rows:
+        twin = base.get(key(r)) if r.get("ok") and r.get("variant", "base") != "base" else None
+        if twin:
+            mem = (r["peak_memory_bytes"] / twin["peak_memory_bytes"]
+                   if r.get("peak_memory_bytes") and twin.get("peak_memory_bytes") else None)
+            pairs.append({"case": twin["case"], "variant": r["variant"], "base_samples_per_s": twin["samples_per_s"],
+                          "variant_samples_per_s": r["samples_per_s"],
+                          "variant_over_base": r["samples_per_s"] / twin["samples_per_s"],
+                          "peak_memory_ratio": mem, "first_loss": r.get("first_loss"),
+                          "base_first_loss": twin.get("first_loss")})
+    return pairs
