@@ -72,7 +72,8 @@ if not __package__:   # `python benchmarks/gpu.py`: the package's imports below 
 
 from benchmarks.gpu_peaks import mfu_per_device, peak_flops
 from benchmarks.gpu_report import print_table
-from benchmarks.gpu_variants import VARIANTS, pair_with_base, variant_case, variant_overrides, write_teacher
+from benchmarks.gpu_variants import (VARIANTS, pair_with_base, teacher_batch, variant_case, variant_overrides,
+                                     write_teacher)
 from benchmarks.harness import base_parser, environment, process_group, run_script, write_report
 
 # micro-batch per GPU: activations ~75 MiB/sample (base) and ~243 MiB/sample (large) without
@@ -252,6 +253,8 @@ def run_case(case: Case, args) -> dict:
                                              generator=g).to(pixel_dtype),                      # (B,3,H,W)
                  "input_ids": torch.randint(0, t.vocab_size, (case.micro, t.max_position_embeddings),
                                             device=device, generator=g)}                        # (B,L)
+        if case.variant == "distill":   # the teacher's own inputs, as the loader's second view carries them
+            batch.update(teacher_batch(args.teacher, case.micro, device, g))
         with Trainer(run, model=bundle, loader=None if loader_mode else [batch]) as trainer:
             parts = trainer.build()
             engine, loss_fn, config = parts.engine, parts.loss_fn, bundle.model.config
@@ -266,7 +269,7 @@ def run_case(case: Case, args) -> dict:
                 [batch] = parts.loader
                 batches = itertools.repeat(batch)
             cpu0 = _children_cpu_seconds()
-            timing = timed_steps(lambda b: train_step(engine, b, loss_fn, dtype), batches, warmup=args.warmup,
+            timing = timed_steps(lambda b: train_step(engine, b, loss_fn, dtype, parts.distiller), batches, warmup=args.warmup,
                                  seconds=args.seconds, max_steps=args.max_steps, sync=acc.synchronize,
                                  after_warmup=lambda: memory_after_warmup(info.on_gpu))
             loader_cpu_s = _children_cpu_seconds() - cpu0   # warm-up included: the workers start there

@@ -94,3 +94,20 @@ def pair_with_base(rows: list[dict]) -> list[dict]:
                           "peak_memory_ratio": mem, "first_loss": r.get("first_loss"),
                           "base_first_loss": twin.get("first_loss")})
     return pairs
+
+
+def teacher_batch(teacher: str, micro: int, device, generator) -> dict:
+    """The distill variant's tensor batch for the teacher, beside the student's: uint8 pixels at the
+    teacher's image size and token ids below its vocabulary (what the loader's second view carries:
+    `teacher_pixel_values`, `teacher_input_ids`), from the teacher folder's config.json."""
+    import json
+
+    import torch
+
+    spec = json.loads((Path(teacher) / "config.json").read_text())
+    size = spec["vision_config"]["image_size"]
+    text = spec["text_config"]
+    length, vocab = text.get("max_position_embeddings", 64), text["vocab_size"]
+    return {"teacher_pixel_values": torch.randint(0, 256, (micro, 3, size, size), device=device, generator=generator,
+                                                  dtype=torch.uint8),                              # (B,3,T,T)
+            "teacher_input_ids": torch.randint(0, vocab, (micro, length), device=device, generator=generator)}  # (B,L_t)

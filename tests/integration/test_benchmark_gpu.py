@@ -68,17 +68,17 @@ def test_flops_per_sample_match_torch_flop_counter(report):
 @pytest.fixture(scope="module")
 def loader_report(tmp_path_factory) -> dict:
     """The data-path mode: a tensor case and its loader twin reading 64 JPEGs through one worker;
-    and the patch-dropout variant of the tensor case."""
+    and the patch-dropout and distillation variants of the tensor case."""
     tmp = tmp_path_factory.mktemp("gpu_loader")
     return run_benchmark("gpu", "--model", "tiny", "--profiles", "zero2", "--ac", "off", "--data", "tensor", "loader",
-                         "--variants", "base", "patch_dropout",
+                         "--variants", "base", "patch_dropout", "distill",
                          "--data-images", "64", "--data-px", "64", "--loader-workers", "1", "--warmup", "1",
                          "--seconds", "0.5", "--max-steps", "2", out=tmp / "gpu_tiny_loader.json", ranks=None,
                          timeout=400)
 
 
 def test_the_loader_case_trains_from_shards_beside_its_tensor_twin(loader_report):
-    tensor, _, loader = loader_report["cases"]
+    [tensor, loader] = [c for c in loader_report["cases"] if c["variant"] == "base"]
     assert (tensor["data"], loader["data"]) == ("tensor", "loader")
     assert tensor["ok"] and loader["ok"], loader
     assert loader["case"] == tensor["case"] + "/loader"
@@ -92,10 +92,22 @@ def test_the_loader_case_trains_from_shards_beside_its_tensor_twin(loader_report
 def test_the_patch_dropout_variant_is_the_same_case_with_half_the_patches(loader_report):
     """Same model, seed and batch as its base twin: only the image tokens differ (tiny: 64 px in
     8 px patches, 64 tokens, 32 kept), so the first loss moves but stays a SigLIP loss at init."""
-    tensor, variant, _ = loader_report["cases"]
+    tensor = loader_report["cases"][0]
+    [variant] = [c for c in loader_report["cases"] if c["variant"] == "patch_dropout"]
     assert variant["ok"], variant
     assert (variant["variant"], variant["case"]) == ("patch_dropout", tensor["case"] + "/+patch_dropout")
     assert 1 <= variant["timed_steps"] <= 2 and math.isfinite(variant["final_loss"])
     assert variant["first_loss"] != tensor["first_loss"]   # the override reached the model
-    [pair] = loader_report["variants_vs_base"]
+    [pair] = [p for p in loader_report["variants_vs_base"] if p["variant"] == "patch_dropout"]
     assert pair["variant_over_base"] == pytest.approx(variant["samples_per_s"] / tensor["samples_per_s"])
+
+
+def test_the_distill_variant_runs_the_teacher_in_every_step(loader_report):
+    """Same student, seed and batch as its base twin, plus a random tiny teacher fed its own
+    inputs (the tensor batch's teacher_pixel_values / teacher_input_ids): the step's loss is the
+    contrastive loss plus the distillation term, so the first loss moves."""
+    tensor = loader_report["cases"][0]
+    [variant] = [c for c in loader_report["cases"] if c["variant"] == "distill"]
+    assert variant["ok"], variant
+    assert variant["case"] == tensor["case"] + "/+distill"
+    assert math.isfinite(variant["final_loss"]) and variant["first_loss"] != tensor["first_loss"]
