@@ -72,3 +72,20 @@ class LocalEngine:
 
     def step(self):
         pass
+
+
+def planned_zero2(capsys, base: list[str], *sets: str) -> tuple[dict, dict]:
+    """`rsclip-ds plan BASE --set S ... --json` run in-process -> (its JSON document, the row of
+    zero2 without activation checkpointing): for tests that compare a plan with a setting against
+    the plan without it."""
+    import argparse
+    import json
+
+    from rsclip_ds.cli.plan import register, run
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    capsys.readouterr()
+    assert run(parser.parse_args(base + [a for s in sets for a in ("--set", s)])) == 0
+    doc = json.loads(capsys.readouterr().out)
+    return doc, {(r["profile"], r["checkpointing"]): r for r in doc["rows"]}[("zero2", False)]

@@ -13,6 +13,7 @@ from rsclip_ds.distill.config import DistillConfig
 from rsclip_ds.distill.loss import distill_loss, distill_loss_global
 from rsclip_ds.distill.teacher import Distiller, Teacher, TeacherInputs, check_distill, load_teacher
 from tests.unit.forked_ranks import run_ranks
+from tests.helpers import planned_zero2
 
 TEACHER_SIZE = 48   # tiny student: 64 px (model tests), 32 px (loader test)
 
@@ -353,21 +354,11 @@ def test_planner_counts_the_teacher():
 def test_plan_takes_a_teacher(capsys):
     """`rsclip-ds plan --set distill.teacher=git-rsclip-large`: a smaller micro-batch fits, the step
     computes more, and the launch command carries the setting."""
-    import argparse
-    import json
-
-    from rsclip_ds.cli.plan import register, run
-
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers(dest="command"))
     base = ["plan", "--model", "git-rsclip-base", "--gpus", "8", "--gpu-mem", "16GiB", "--global-batch", "8192",
             "--json"]
 
     def planned(*sets):
-        capsys.readouterr()
-        assert run(parser.parse_args(base + [a for s in sets for a in ("--set", s)])) == 0
-        doc = json.loads(capsys.readouterr().out)
-        return doc, {(r["profile"], r["checkpointing"]): r for r in doc["rows"]}[("zero2", False)]
+        return planned_zero2(capsys, base, *sets)
 
     (_, alone), (doc, taught) = planned(), planned("distill.teacher=git-rsclip-large")
     assert taught["max_micro"] < alone["max_micro"] and taught["compute_s"] > 1.5 * alone["compute_s"]

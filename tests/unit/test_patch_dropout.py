@@ -13,7 +13,7 @@ from rsclip_ds.losses import siglip_loss
 from rsclip_ds.model import new_dual_encoder, preset_config
 from rsclip_ds.patch_dropout import PatchDropout, PatchDropoutSwitch, apply_patch_dropout, kept_tokens
 from rsclip_ds.train import train_step_global
-from tests.helpers import LocalEngine
+from tests.helpers import LocalEngine, planned_zero2
 
 N = 64   # tiny: 64 px / 8 px patches = 8 x 8
 
@@ -212,21 +212,11 @@ def test_planner_counts_the_kept_tokens():
 def test_plan_takes_patch_dropout(capsys):
     """`rsclip-ds plan --set model.patch_dropout=0.5`: a larger micro-batch fits, the step computes
     less, and the launch command carries the setting."""
-    import argparse
-    import json
-
-    from rsclip_ds.cli.plan import register, run
-
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers(dest="command"))
     base = ["plan", "--model", "git-rsclip-base", "--gpus", "8", "--gpu-mem", "40GiB", "--global-batch", "4096",
             "--json"]
 
     def planned(*sets):
-        capsys.readouterr()
-        assert run(parser.parse_args(base + [a for s in sets for a in ("--set", s)])) == 0
-        doc = json.loads(capsys.readouterr().out)
-        return doc, {(r["profile"], r["checkpointing"]): r for r in doc["rows"]}[("zero2", False)]
+        return planned_zero2(capsys, base, *sets)
 
     (_, full), (doc, half) = planned(), planned("model.patch_dropout=0.5")
     assert half["max_micro"] > full["max_micro"] and half["compute_s"] < 0.75 * full["compute_s"]
