@@ -261,7 +261,10 @@ def _load_pretrained(cfg: ModelConfig, loss: str, source: ModelSource, ds_config
     # them 16-bit): the engine makes its 16-bit copies itself, the optimizer needs fp32 masters.
     with maybe_zero3_init(ds_config):
         siglip = SiglipModel.from_pretrained(str(folder), dtype=torch.float32)
-    model = DualEncoder(siglip)
+    # from_pretrained hands the model over in eval mode, and a module in eval mode silently skips
+    # transformers' gradient checkpointing and our patch dropout (both check `.training`): in
+    # training mode like a preset's fresh model; evaluation switches to eval() itself
+    model = DualEncoder(siglip).train()
     tokenizer = load_tokenizer(cfg.tokenizer or folder)
     mean, std = IMAGE_MEAN, IMAGE_STD
     if (folder / "preprocessor_config.json").is_file():

@@ -82,6 +82,24 @@ def test_pretrained_folder_round_trip(tok_dir, tmp_path):
     assert loaded.tokenizer("a river")["input_ids"] == bundle.tokenizer("a river")["input_ids"]
 
 
+def test_a_pretrained_folder_loads_in_training_mode_so_patch_dropout_and_checkpointing_act(tok_dir, tmp_path):
+    """from_pretrained returns eval mode; a loaded model must train like a fresh one: patch
+    dropout keeps half the image tokens and transformers' gradient checkpointing (which checks
+    `.training`) is not skipped."""
+    from rsclip_ds.patch_dropout import apply_patch_dropout, kept_tokens
+
+    bundle = build_model(ModelConfig(tokenizer=tok_dir), seed=3)
+    save_pretrained(bundle.model, bundle.tokenizer, tmp_path)
+    loaded = build_model(ModelConfig(pretrained=tmp_path), seed=99).model
+    assert all(m.training for m in loaded.modules())
+    apply_patch_dropout(loaded, 0.5)
+    pixels, _ = _batch(bundle)
+    v = loaded.vision_model.config
+    n = (v.image_size // v.patch_size) ** 2
+    tokens = loaded.vision_model.embeddings(pixels)                                    # (B, K, D)
+    assert tokens.shape[1] == kept_tokens(n, 0.5) < n
+
+
 def test_not_a_model_folder_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="not a Hugging Face model folder"):
         build_model(ModelConfig(pretrained=tmp_path), seed=0)
