@@ -13,7 +13,9 @@ by default the training precision):
     ZeRO-2  all-reduce  cΨ_t per micro-batch (every backward), then the same all-gather once per
             step. 0.19.8's "reduce_scatter": true is not a reduce-scatter: with the default
             `use_multi_rank_bucket_allreduce` it all-reduces each bucket and keeps its partition
-            (`average_tensor` -> `allreduce_and_scatter`); false sends a `reduce` to each owner.
+            (`average_tensor` -> `allreduce_and_scatter`, after flattening it); false (the
+            profiles') all-reduces the contiguous bucket in place (`gradient_reduction_w_predivide`);
+            only use_multi_rank_bucket_allreduce false sends a `reduce` to each owner.
     ZeRO-3  all-gather  pΨ_np per forward (Ψ_np: parameters above stage3_param_persistence_threshold;
             the persistent ones stay gathered), none in backward: with a complete trace the
             parameters fetched in forward stay until their backward use (measured: also with
