@@ -40,7 +40,7 @@ from rsclip_ds.evaluation.hook import build_eval_hook
 from rsclip_ds.finetune import apply_finetune, param_groups
 from rsclip_ds.runtime.heartbeat import Heartbeat, default_store
 from rsclip_ds.runtime.rank_errors import PeerFailed, RankError, RankErrors
-from rsclip_ds.runtime.host_memory import keep_freed_memory
+from rsclip_ds.runtime.host_memory import host_memory_said, host_memory_state, keep_freed_memory
 from rsclip_ds.hub import check_source, resolve_source_per_node
 from rsclip_ds.losses import build_loss
 from rsclip_ds.model import ModelBundle, apply_activation_checkpointing, build_model
@@ -246,6 +246,8 @@ class Trainer:
                                             info.local_world_size, getattr(loader, "num_workers", 0))
         if info.rank == 0:
             log.info("threads per rank: %d (%s)", threads, why)
+            if not info.on_gpu:
+                log.info("host memory: %s", host_memory_said(host_memory_state(run.distributed.host_memory)))
         if self.wrap_loader is not None:
             loader = self.wrap_loader(loader)
         loss_fn = build_loss(run.loss.name, negatives=run.loss.negatives, rank=info.rank,
@@ -369,6 +371,8 @@ class Trainer:
                                 activation_checkpointing=p.activation_checkpointing, loss=run.loss.name,
                                 negatives=run.loss.negatives, accumulation=run.batch.accumulation)
         summary["startup_s"] = {**self.startup, "total": sum(v for v in self.startup.values() if v)}
+        if not self.info.on_gpu:   # the allocator's settings and rank 0's memory in huge pages at the end
+            summary["host_memory"] = host_memory_state(run.distributed.host_memory)
         compiled = ""
         if run.compile.enabled:
             step_s = p.batch.global_batch / result.samples_per_s if result.samples_per_s else None

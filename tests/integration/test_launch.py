@@ -58,6 +58,15 @@ def test_learning_rate_read_back_moves_from_the_first_step(profile_run, profile)
     assert all(a > b for a, b in zip(lrs[3:], lrs[4:])) and lrs[-1] < 1e-5
 
 
+def test_cpu_ranks_train_with_huge_pages(profile_run):
+    """`deepspeed --module rsclip_ds train` on CPU ranks: the entry point asked torch for huge pages
+    before importing it, rank 0 ended the run with memory in them, and the summary says so."""
+    state = profile_run("zero2")["host_memory"]
+    assert state["setting"] == "keep" and state["THP_MEM_ALLOC_ENABLE"] == "1" and state["huge_pages"], state
+    if state["thp_mode"] in ("always", "madvise"):
+        assert state["anon_huge_pages_bytes"] > 2 * 2**20, state
+
+
 def test_fp32_losses_match_across_zero_stages(profile_run):
     """Same seed, same data: ZeRO 1/2/3 (with and without offload) are the same optimisation."""
     ref = torch.tensor(profile_run("zero1")["losses"][:10])

@@ -104,3 +104,63 @@ def test_release_leaves_glibc_defaults_and_keep_is_the_default(monkeypatch):
         calls.clear()
         trainer.run_training(load_config(None, [f"distributed.host_memory={setting}"]))
         assert calls == expected, setting
+
+
+def test_huge_pages_are_asked_for_train_on_cpu_ranks_only():
+    """THP_MEM_ALLOC_ENABLE=1 for `rsclip-ds train` under DS_ACCELERATOR=cpu (with or without the
+    launcher's --local_rank), never over a value the user set, another command or a GPU."""
+    from rsclip_ds.runtime.host_memory import ask_for_huge_pages
+
+    def asked(argv, mode="madvise", **env):
+        env = dict(env)
+        return ask_for_huge_pages(argv, env, mode), env.get("THP_MEM_ALLOC_ENABLE")
+
+    cpu = {"DS_ACCELERATOR": "cpu"}
+    assert asked(["train", "--set", "steps=5"], **cpu) == (True, "1")
+    assert asked(["--local_rank=1", "train"], **cpu) == (True, "1")
+    assert asked(["--local_rank", "1", "train"], mode="always", **cpu) == (True, "1")
+    assert asked(["train"], **cpu, THP_MEM_ALLOC_ENABLE="0") == (False, "0")   # the user's value wins
+    assert asked(["train"]) == (False, None)                                     # no DS_ACCELERATOR=cpu
+    assert asked(["train"], DS_ACCELERATOR="cuda") == (False, None)
+    assert asked(["eval", "--set", "train=1"], **cpu) == (False, None)
+    assert asked(["train"], mode="never", **cpu) == (False, None)               # the kernel has none to give
+    assert asked([], **cpu) == (False, None)
+
+
+HUGE_PROBE = r"""
+import json, os
+from rsclip_ds.runtime.host_memory import anon_huge_bytes, ask_for_huge_pages, keep_freed_memory
+asked = ask_for_huge_pages(["--local_rank=0", "train"])   # as the entry point does, before torch
+import torch
+keep_freed_memory()
+before = anon_huge_bytes()
+block = torch.empty(64 * 2**20)   # 256 MiB, the size of a DeepSpeed reduce bucket
+block.fill_(1.0)
+print(json.dumps({"asked": asked, "value": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+                  "huge": anon_huge_bytes() - before}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages: Linux only")
+def test_big_tensors_get_huge_pages_when_asked_for():
+    from rsclip_ds.runtime.host_memory import thp_mode
+
+    mode = thp_mode()
+    if mode not in ("always", "madvise"):
+        pytest.skip(f"the kernel's transparent huge pages are {mode}")
+
+    def probe(**extra):
+        env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE" and not k.startswith("MALLOC_")}
+        out = subprocess.run([sys.executable, "-c", HUGE_PROBE], capture_output=True, text=True, check=True,
+                             env={**env, "DS_ACCELERATOR": "cpu", **extra})
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    asked = probe()
+    assert asked["asked"] and asked["value"] == "1"
+    # the kernel may fall back to small pages where it finds no free 2 MiB frame; most of the block
+    # is in huge pages on an idle machine
+    assert asked["huge"] >= 128 * 2**20, asked
+    declined = probe(THP_MEM_ALLOC_ENABLE="0")
+    assert not declined["asked"] and declined["value"] == "0"
+    if mode == "madvise":   # only advised memory gets huge pages: none of this block
+        assert declined["huge"] < 16 * 2**20, declined
