@@ -104,7 +104,8 @@ THROUGHPUT = (
                py("throughput.compare", f"{OPENCLIP} --out {R}/throughput_openclip.json")),
         Source("throughput_openclip_users.json",
                py("throughput.openclip", "--open-clip runs/openclip-venv --style users --profiles zero2 --precisions "
-                  f"fp32 --openclip-precisions fp32 --repeats 2 --steps 40 --out {R}/throughput_openclip_users.json")),
+                  f"fp32 --openclip-precisions fp32 --repeats 3 --steps 60 --wait-quiet 60 --max-foreign 0.15 "
+                  f"--out {R}/throughput_openclip_users.json")),
         Source("throughput_openclip_peers.json",
                py("throughput.openclip", "--open-clip runs/openclip-venv --peers patch_dropout compile --peers-only "
                   f"--precisions fp32 --repeats 2 --steps 40 --out {R}/throughput_openclip_peers.json")))),

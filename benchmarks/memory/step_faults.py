@@ -1,7 +1,9 @@
 """Where a training step's freshly touched host memory comes from: minor page faults and kernel
 (sys) time per phase (forward, loss, backward, optimizer step) of one step on CPU ranks, for the
 DeepSpeed engine as rsclip_ds configures it and for DDP + torch's AdamW (what open_clip runs),
-with glibc's default allocator and with `rsclip_ds.runtime.host_memory.keep_freed_memory`.
+with glibc's default allocator and with `rsclip_ds.runtime.host_memory.keep_freed_memory`, and
+with torch's tensors of 2 MiB and more in transparent huge pages (THP_MEM_ALLOC_ENABLE=1, what
+`rsclip-ds train` sets on CPU ranks) or in 4 KiB pages.
 
     python -m benchmarks.memory.step_faults --out benchmarks/results/step_faults.json
     python -m benchmarks.memory.step_faults --tiny --out /tmp/step_faults.json      # seconds-long
@@ -15,13 +17,14 @@ summed over the steps after --warmup and divided by their count; MB = faults x 4
 Each case also records how its rank-0 process was set up, for tests on any machine: what
 `keep_freed_memory` returned (glibc's mallopt calls succeeded), whether a fresh 64 MiB block then
 lies in the brk heap (kept) or in a mapping of its own (glibc's default), and whether its AdamW
-is torch's fused one.
+is torch's fused one, and how much of its memory was in huge pages at the end (AnonHugePages).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import time
@@ -32,15 +35,19 @@ import torch
 from benchmarks.harness import base_parser, environment, process_group, rank0_print, run_script, write_report
 
 PHASES = ("forward", "loss", "backward", "step")
-# name -> (engine, allocator, optimizer): "ds" = rsclip_ds's DeepSpeed config for the profile
+# name -> (engine, allocator, optimizer, pages): engine "ddp" or a profile (rsclip_ds's DeepSpeed
+# config for it); pages "huge": THP_MEM_ALLOC_ENABLE=1 in the launch, "small": =0
 CASES = {
-    "ddp_default": ("ddp", "default", "foreach"),
-    "ddp_keep": ("ddp", "keep", "foreach"),
-    "zero2_before": ("zero2", "default", "foreach"),    # what rsclip_ds ran before issue 16
-    "zero2_keep": ("zero2", "keep", "foreach"),
-    "zero2_after": ("zero2", "keep", "fused"),          # what it runs now
-    "zero1_before": ("zero1", "default", "foreach"),
-    "zero1_after": ("zero1", "keep", "fused"),
+    "ddp_default": ("ddp", "default", "foreach", "small"),     # open_clip's DDP as its users run it
+    "ddp_keep": ("ddp", "keep", "foreach", "small"),
+    "ddp_huge": ("ddp", "default", "foreach", "huge"),
+    "zero2_before": ("zero2", "default", "foreach", "small"),  # what rsclip_ds ran before issue 16
+    "zero2_keep": ("zero2", "keep", "foreach", "small"),
+    "zero2_after": ("zero2", "keep", "fused", "small"),        # ... before huge pages (issue 28)
+    "zero2_huge": ("zero2", "keep", "fused", "huge"),          # what it runs now
+    "zero1_before": ("zero1", "default", "foreach", "small"),
+    "zero1_after": ("zero1", "keep", "fused", "small"),
+    "zero1_huge": ("zero1", "keep", "fused", "huge"),
 }
 
 
@@ -71,7 +78,7 @@ def block_in_heap(nbytes: int = 64 * 2**20) -> bool:
 
 
 def worker(args) -> None:
-    from rsclip_ds.runtime.host_memory import keep_freed_memory
+    from rsclip_ds.runtime.host_memory import TORCH_HUGE_PAGES, anon_huge_bytes, keep_freed_memory
 
     # before the process group: gloo's threads then share the one arena
     applied = keep_freed_memory() if args.allocator == "keep" else None
@@ -133,6 +140,7 @@ def worker(args) -> None:
             report = {"parameters": params, "steps": n, "allocator": args.allocator, "allocator_applied": applied,
                       "large_block_in_heap": block_in_heap(), "optimizer": type(opt).__name__,
                       "adamw_fused": bool(opt.defaults.get("fused")), "faults_total_per_step": step_faults / n,
+                      TORCH_HUGE_PAGES: os.environ.get(TORCH_HUGE_PAGES), "anon_huge_pages_bytes": anon_huge_bytes(),
                       "faults_per_step": {p: v[0] / n for p, v in totals.items()},
                       "sys_ms_per_step": {p: 1e3 * v[1] / n for p, v in totals.items()},
                       "wall_ms_per_step": {p: 1e3 * v[2] / n for p, v in totals.items()}}
@@ -146,9 +154,9 @@ def print_tables(report: dict) -> None:
     from rich.table import Table
 
     table = Table(title="Host memory touched per step, rank 0 (2 CPU ranks)")
-    for col in ("case", "engine", "allocator", "AdamW", "MB faulted/step", *[f"{p} MB" for p in PHASES],
+    for col in ("case", "engine", "allocator", "AdamW", "pages", "MB faulted/step", *[f"{p} MB" for p in PHASES],
                 "sys ms/step", "wall ms/step"):
-        table.add_column(col, justify="left" if col in ("case", "engine", "allocator", "AdamW") else "right")
+        table.add_column(col, justify="left" if col in ("case", "engine", "allocator", "AdamW", "pages") else "right")
     for name, r in report["cases"].items():
         if not r.get("ok", True):
             table.add_row(name, *CASES[name], r.get("error", "failed"))
@@ -181,9 +189,11 @@ def main(argv=None) -> int:
     t0, cases = time.perf_counter(), {}
     for name in args.cases:
         result = args.out.with_suffix(f".{name}.part.json")
-        flags = ["--worker", *CASES[name], "--result", str(result), "--out", str(args.out),
+        engine, allocator, optimizer, pages = CASES[name]
+        flags = ["--worker", engine, allocator, optimizer, "--result", str(result), "--out", str(args.out),
                  "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--tiny"] if args.tiny else [])
-        cases[name] = run_script("benchmarks.memory.step_faults", flags, result, timeout=900, ranks=2, env={"DS_ACCELERATOR": "cpu"})
+        cases[name] = run_script("benchmarks.memory.step_faults", flags, result, timeout=900, ranks=2,
+                                 env={"DS_ACCELERATOR": "cpu", "THP_MEM_ALLOC_ENABLE": "1" if pages == "huge" else "0"})
         result.unlink(missing_ok=True)
         r = cases[name]
         say(f"{name}: {r['mb_per_step']:.0f} MB faulted/step, sys {r['sys_ms_total']:.0f} ms/step"

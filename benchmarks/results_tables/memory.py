@@ -107,13 +107,15 @@ def checkpoint_bytes(files: dict) -> list[str]:
 
 
 def step_faults(files: dict) -> list[str]:
-    """Minor page faults (as MB) and system time per step, per case (engine, allocator, AdamW)."""
+    """Minor page faults and system time per step, per case (engine, allocator, AdamW, pages)."""
     rep = files["step_faults.json"]
     c = rep["config"]
     phases = ("forward", "backward", "step")
-    rows = [[name, ", ".join(c["cases"][name]), fix(r["mb_per_step"], 1),
-             " / ".join(fix(r["faults_per_step"][p] * 4096 / 1e6, 1) for p in phases), sig(r["sys_ms_total"])]
+    rows = [[name, ", ".join(c["cases"][name]), sig(r["faults_total_per_step"]), fix(r["mb_per_step"], 1),
+             " / ".join(fix(r["faults_per_step"][p] * 4096 / 1e6, 1) for p in phases), sig(r["sys_ms_total"]),
+             sig(sum(r["wall_ms_per_step"].values()))]
             for name, r in rep["cases"].items()]
-    out = [f"Rank 0, {c['steps']} steps after {c['warmup']}, MB = minor faults x 4096 bytes:", ""]
-    return out + table(["case", "engine, allocator, AdamW", "MB faulted / step", "forward / backward / step MB",
-                        "sys ms / step"], rows)
+    out = [f"Rank 0, {c['steps']} steps after {c['warmup']}; MB = minor faults x 4096 bytes (a fault in a huge "
+           "page fills 2 MiB: compare the huge-pages cases by faults and time):", ""]
+    return out + table(["case", "engine, allocator, AdamW, pages", "faults / step", "MB faulted / step",
+                        "forward / backward / step MB", "sys ms / step", "wall ms / step"], rows)

@@ -22,8 +22,8 @@ buffers, however placed, are walked through 4 KiB TLB entries. torch's CPU alloc
 kernel to back every block of 2 MiB and more with transparent huge pages (`madvise(MADV_HUGEPAGE)`)
 when THP_MEM_ALLOC_ENABLE=1 is in the environment when it first allocates, i.e. before torch is
 imported: the entry points (rsclip_ds/__main__.py) set it for `rsclip-ds train` on CPU ranks,
-unless it is set already (0 keeps it off). Measured: benchmarks/memory/step_faults.py and the
-open_clip comparison (docs/benchmarks/throughput.md).
+unless it is set already (0 keeps it off). Measured in the open_clip comparison's users style
+(benchmarks/throughput/openclip.py --style users; docs/benchmarks/throughput.md).
 """
 
 from __future__ import annotations

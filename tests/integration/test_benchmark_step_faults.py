@@ -1,6 +1,7 @@
 """benchmarks/memory/step_faults.py --tiny: the engine as rsclip_ds configures it now (glibc keeping
 freed memory, torch's fused AdamW) against the engine as it was configured before (glibc's default,
-foreach AdamW). Two launches of 2 CPU ranks, ~1.5 minutes.
+foreach AdamW), and with torch's huge pages as `rsclip-ds train` runs it now. Three launches of 2 CPU
+ranks, ~2 minutes.
 
 How much less fresh memory the tuned engine faults in per step is a measurement of the machine
 (the kernel's page size and transparent huge pages, glibc's version, the load): the ratio is in
@@ -21,10 +22,17 @@ PHASES = {"forward", "loss", "backward", "step"}
 
 
 def test_the_cases_run_the_allocator_and_optimizer_they_name_and_count_faults_per_phase(tmp_path):
-    report = run_benchmark("memory.step_faults", "--tiny", "--cases", "zero2_before", "zero2_after",
+    from rsclip_ds.runtime.host_memory import thp_mode
+
+    report = run_benchmark("memory.step_faults", "--tiny", "--cases", "zero2_before", "zero2_after", "zero2_huge",
                            out=tmp_path / "faults.json", ranks=None)
-    before, after = report["cases"]["zero2_before"], report["cases"]["zero2_after"]
-    assert before.get("ok", True) and after.get("ok", True), report["cases"]
+    before, after, huge = (report["cases"][k] for k in ("zero2_before", "zero2_after", "zero2_huge"))
+    assert all(c.get("ok", True) for c in (before, after, huge)), report["cases"]
+    # huge pages: the launch asked torch for them, and the rank ended with memory in them (the
+    # tiny model's flat buffers and DeepSpeed's 50M-element reduce buckets are above 2 MiB)
+    assert (before["THP_MEM_ALLOC_ENABLE"], huge["THP_MEM_ALLOC_ENABLE"]) == ("0", "1")
+    if thp_mode() == "madvise":
+        assert huge["anon_huge_pages_bytes"] > before["anon_huge_pages_bytes"], (before, huge)
     if after["allocator_applied"] is False:
         pytest.skip("not glibc: keep_freed_memory changes nothing here")
     assert before["parameters"] == after["parameters"] > 3_000_000   # the 49,408-token table included
