@@ -90,7 +90,7 @@ OLDER = "/path/to/older/checkout"
 PEAK = ("for p in zero1 zero2 zero2_offload zero3 zero3_offload; do for k in 1 4; do "
         + ds(2, "memory.per_rank", f"--preset git-rsclip-base --micro 2 --accumulation $k --profiles $p "
                                    f"--out {R}/peak/$p-$k.json") + "; done; done")
-OPENCLIP = ("--open-clip runs/openclip-venv --repeats 3 --steps 60 --precisions fp32 bf16 bf16_masters "
+OPENCLIP = ("--open-clip runs/openclip-venv --profiles zero2 --repeats 3 --steps 60 --precisions fp32 bf16 bf16_masters "
             "--wait-quiet 120 --max-foreign 0.15")
 
 THROUGHPUT = (
@@ -107,8 +107,9 @@ THROUGHPUT = (
                   f"fp32 --openclip-precisions fp32 --repeats 3 --steps 60 --wait-quiet 60 --max-foreign 0.15 "
                   f"--out {R}/throughput_openclip_users.json")),
         Source("throughput_openclip_peers.json",
-               py("throughput.openclip", "--open-clip runs/openclip-venv --peers patch_dropout compile --peers-only "
-                  f"--precisions fp32 --repeats 2 --steps 40 --out {R}/throughput_openclip_peers.json")))),
+               py("throughput.openclip", "--open-clip runs/openclip-venv --peers patch_dropout compile huge_pages "
+                  f"--peers-only --precisions fp32 --repeats 3 --steps 40 --wait-quiet 120 --max-foreign 0.15 "
+                  f"--out {R}/throughput_openclip_peers.json")))),
     Family("patch-dropout", "Patch dropout 0 / 0.5 / 0.75: samples/s, activations, quality at equal compute",
            throughput.patch_dropout, (
                Source("patch_dropout.json", ds(2, "throughput.patch_dropout", f"--out {R}/patch_dropout.json")),)),

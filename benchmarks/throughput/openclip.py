@@ -19,7 +19,7 @@ betas 0.9/0.98, eps 1e-6, weight decay 0.1 on matrices), warmup 10 then cosine, 
 clipping 1.0, random resized crop (0.9..1.0 of the area), one loader worker and one torch thread
 (OMP_NUM_THREADS=1) per rank, a log line every step, no checkpoint, no evaluation. `--style users`
 sets no thread variable (each tool's default decides) and keeps both tools' end-of-run checkpoint;
-`--peers patch_dropout compile` adds each feature on both sides at the same setting
+`--peers patch_dropout compile huge_pages` adds each feature on both sides at the same setting
 (openclip_cases.py has the cases and both command lines).
 
 Measured per run, from each tool's own log: samples/s over steps skip+1..N (default 6..60),
@@ -51,7 +51,7 @@ from typing import Callable
 
 from benchmarks.harness import environment, free_port, synthetic_data, write_report
 from benchmarks.throughput.launch_measure import foreign_share, launch, wait_quiet
-from benchmarks.throughput.openclip_cases import (OPENCLIP_MAIN, OPENCLIP_PRECISIONS, PAIRED, PEERS, RSCLIP_SETS, STYLES,
+from benchmarks.throughput.openclip_cases import (OPENCLIP_MAIN, OPENCLIP_PRECISIONS, PAIRED, PEER_ENV, PEERS, RSCLIP_SETS, STYLES,
                                                   Case, cases, openclip_cmd, rsclip_cmd, tool_env)
 from benchmarks.throughput.openclip_shapes import SHAPES, write_hf_folder, write_openclip_dir
 from benchmarks.throughput.openclip_report import plot, print_tables
@@ -200,7 +200,7 @@ def run_case(bench: Bench, case: Case, inputs: Inputs, run_dir: Path, quiet_s: f
     parse, rate = TOOLS[case.tool]
     busy = wait_quiet(quiet_s)
     threads = bench.threads if bench.style == "harness" else None   # users: each tool's own default
-    r = launch(cmd, tool_env(case.tool, bench.device, threads), run_dir, bench.timeout_s,
+    r = launch(cmd, tool_env(case.tool, bench.device, threads, case.peer), run_dir, bench.timeout_s,
                lambda line: parse(line, global_batch), {bench.skip, bench.steps}, run_dir / "log.txt",
                bench.pss_interval)
     row = {"case": case.name, **asdict(case), "ok": False, "cpu_busy_before": busy, "wall_s": r.wall_s,
@@ -269,6 +269,7 @@ def compare(bench: Bench, todo: list[Case], venv: Path, data_root: Path, work: P
     t0 = time.perf_counter()
     config = {**asdict(bench), "cases": [c.name for c in todo], "paired": PAIRED,
               "peers": {c.peer: PEERS[c.peer] for c in todo if c.peer},
+              "peer_env": {c.peer: PEER_ENV[c.peer] for c in todo if c.peer in PEER_ENV},
               "thread_env": f"OMP_NUM_THREADS={bench.threads}" if bench.style == "harness" else "none (tools' defaults)"}
     inputs, models = prepare(bench, check_venv(venv), data_root)
     say(f"model {bench.shape}: rsclip_ds {models['rsclip_ds_parameters']:,} parameters, open_clip "

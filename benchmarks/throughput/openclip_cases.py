@@ -1,7 +1,8 @@
 """The cases of benchmarks/throughput/openclip.py and the command line of each tool for a case.
 
 A case is a tool at a precision (rsclip_ds: and a profile), optionally with a *peer* feature turned
-on at the same settings on both sides (PEERS): open_clip's own flag against rsclip_ds's config key.
+on at the same settings on both sides (PEERS): open_clip's own flag against rsclip_ds's config key,
+or a variable in both launches' environment (PEER_ENV).
 
 Two ways to launch (`style`):
   harness  both tools get OMP_NUM_THREADS=<threads> from the driver (the committed results' way)
@@ -40,7 +41,13 @@ PEERS = {
     # torch.compile of the model: open_clip compiles the model it wraps in DDP; rsclip_ds's key
     # (compile.enabled) comes with its own compile support
     "compile": (["--torchcompile"], ["compile.enabled=true"]),
+    # torch's CPU allocator backing tensors of 2 MiB and more with transparent huge pages
+    # (PEER_ENV): rsclip-ds train on CPU ranks asks for it by default; open_clip's users would have
+    # to export the variable. No flag on either side: both launches get the variable.
+    "huge_pages": ([], []),
 }
+# a peer's variables, in both tools' launch environments
+PEER_ENV = {"huge_pages": {"THP_MEM_ALLOC_ENABLE": "1"}}
 STYLES = ("harness", "users")
 
 
@@ -80,11 +87,15 @@ def cases(openclip_precisions, profiles, precisions, peers=(), peer_profile: str
     return out
 
 
-def tool_env(tool: str, device: str, threads: int | None) -> dict[str, str]:
+def tool_env(tool: str, device: str, threads: int | None, peer: str | None = None) -> dict[str, str]:
     """The launch environment; `threads` None (the users style): no OMP_NUM_THREADS at all, not
-    even one inherited from the driver's environment, so each tool's own default decides."""
+    even one inherited from the driver's environment, so each tool's own default decides. Nor an
+    inherited THP_MEM_ALLOC_ENABLE: only the `peer`'s PEER_ENV sets it (rsclip_ds's entry point
+    decides otherwise)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("OMP_NUM_THREADS", None)
+    env.pop("THP_MEM_ALLOC_ENABLE", None)
+    env.update(PEER_ENV.get(peer, {}))
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR"):

@@ -120,6 +120,11 @@ def test_each_peer_is_its_flag_on_both_sides_and_the_users_style_sets_no_threads
     monkeypatch.setenv("OMP_NUM_THREADS", "7")   # the driver's own: never passed on in the users style
     assert "OMP_NUM_THREADS" not in driver.tool_env("rsclip_ds", "cpu", None)
     assert driver.tool_env("open_clip", "cpu", 1)["OMP_NUM_THREADS"] == "1"
+    # huge pages: no flag on either side, the variable in both launches and in no other case
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    assert driver.openclip_cmd(bench, driver.Case("open_clip", "fp32", peer="huge_pages"), inputs, 1, "n")[-2:] == ["--name", "n"]
+    assert all(driver.tool_env(tool, "cpu", 1, "huge_pages")["THP_MEM_ALLOC_ENABLE"] == "1" for tool in ("open_clip", "rsclip_ds"))
+    assert "THP_MEM_ALLOC_ENABLE" not in driver.tool_env("open_clip", "cpu", 1, "compile")
 
 
 # --------------------------------------------------------------------------- the launches
@@ -177,9 +182,15 @@ def test_both_sides_train_the_same_number_of_parameters(report):
 @launches
 def test_the_rate_parsed_from_each_log_matches_the_line_arrivals(report):
     """The samples/s derived from each tool's log (open_clip: per-step rates; rsclip_ds: rates
-    since step 1) against the same steps timed by the driver from the log lines' arrival."""
+    since step 1) against the same steps timed by the driver from the log lines' arrival. Compared
+    as the seconds the timed steps took: 5 % of them, plus 0.15 s for the two lines' arrival (a
+    pipe and a busy core can delay one line by that much, which over --tiny's few steps is more
+    than 5 %)."""
+    cfg = report["config"]
+    samples = (cfg["steps"] - cfg["skip"]) * cfg["micro"] * cfg["ranks"]
     for r in report["runs"]:
-        assert r["samples_per_s_wall"] == pytest.approx(r["samples_per_s"], rel=0.05), r
+        from_log, from_arrival = samples / r["samples_per_s"], samples / r["samples_per_s_wall"]
+        assert abs(from_log - from_arrival) <= 0.05 * from_log + 0.15, r
 
 
 @launches
