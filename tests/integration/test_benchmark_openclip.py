@@ -183,14 +183,15 @@ def test_both_sides_train_the_same_number_of_parameters(report):
 def test_the_rate_parsed_from_each_log_matches_the_line_arrivals(report):
     """The samples/s derived from each tool's log (open_clip: per-step rates; rsclip_ds: rates
     since step 1) against the same steps timed by the driver from the log lines' arrival. Compared
-    as the seconds the timed steps took: 5 % of them, plus 0.15 s for the two lines' arrival (a
-    pipe and a busy core can delay one line by that much, which over --tiny's few steps is more
-    than 5 %)."""
+    as the seconds the timed steps took: 5 % of them plus 0.05 s for a line delayed on a busy core
+    (--tiny times 5 steps, 0.4-1.2 s: quiet runs differ by under 0.01 s, one loaded run by more
+    than 5 %). A rate over one step too many or too few is off by a fifth of the span, which
+    still fails."""
     cfg = report["config"]
     samples = (cfg["steps"] - cfg["skip"]) * cfg["micro"] * cfg["ranks"]
     for r in report["runs"]:
         from_log, from_arrival = samples / r["samples_per_s"], samples / r["samples_per_s_wall"]
-        assert abs(from_log - from_arrival) <= 0.05 * from_log + 0.15, r
+        assert abs(from_log - from_arrival) <= 0.05 * from_log + 0.05, r
 
 
 @launches
