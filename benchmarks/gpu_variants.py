@@ -2,7 +2,7 @@
 the same run (the same model, batch, profile and precision):
 
   base           nothing added (the case as the grid measures it)
-  patch_dropout  model.patch_dropout=0.5 (FLIP: half the image tokens; rsclip_ds/patch_dropout.py)
+  patch_dropout  model.patch_dropout=0.5 (FLIP: half the image tokens; rsclip_ds/model.py)
   compile        compile.enabled=true (torch.compile of the model)
   distill        distill.teacher=<folder> distill.weight=1.0: a teacher of git-rsclip-large's shape with
                  random weights, written once per command (write_teacher); the time of its forward

@@ -7,7 +7,7 @@ Layout (docs/reference/file-formats.md):
         step00000040/             one tag per saved step
             rsclip_meta.json      step, resolved config, rsclip_ds version; written only after
                                   every rank finished writing, so it marks a complete checkpoint
-            rsclip_manifest.json  every file's path, size and xxh3_128 (integrity.py); written
+            rsclip_manifest.json  every file's path, size and xxh3_128 (runtime/integrity.py); written
                                   just before the meta, verified on resume
             rsclip_rank00000.pt   each rank's RNG state and data position (one small file per rank)
             rsclip_history.json   the run's per-step losses, learning rates and evaluations
@@ -42,7 +42,7 @@ import torch
 
 from rsclip_ds import __version__
 from rsclip_ds.config import CheckpointConfig, ConfigError, RunConfig
-from rsclip_ds.integrity import (MANIFEST, DiskFullError, SaveWrites, WriteFailure, build_manifest, deepspeed_writes,
+from rsclip_ds.runtime.integrity import (MANIFEST, DiskFullError, SaveWrites, WriteFailure, build_manifest, deepspeed_writes,
                                  disk_full_message, verify_tag)
 from rsclip_ds.runtime.storage import decide_on_rank0, fsync_dir, gather_on_every_rank, is_no_space
 

@@ -17,7 +17,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
 from rsclip_ds.distill.config import DistillConfig
-from rsclip_ds.compilation import CompileConfig
+from rsclip_ds.runtime.compilation import CompileConfig
 from rsclip_ds.runtime.settings import DistributedConfig, FaultConfig, Strict
 
 

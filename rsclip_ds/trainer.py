@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from rsclip_ds.compilation import apply_compile, compile_line, eager_hook, refusal as compile_refusal
+from rsclip_ds.runtime.compilation import apply_compile, compile_line, eager_hook, refusal as compile_refusal
 from rsclip_ds.checkpoint import (Checkpointer, checkpoint_root, complete_tags, prepare_fresh_root,
                                   select_resume_tag, tag_for, write_hf_extras)
 from rsclip_ds.config import ConfigError, RunConfig
@@ -43,8 +43,8 @@ from rsclip_ds.runtime.rank_errors import PeerFailed, RankError, RankErrors
 from rsclip_ds.runtime.host_memory import host_memory_said, host_memory_state, keep_freed_memory
 from rsclip_ds.hub import check_source, resolve_source_per_node
 from rsclip_ds.losses import build_loss
-from rsclip_ds.model import ModelBundle, apply_activation_checkpointing, build_model
-from rsclip_ds.patch_dropout import PatchDropoutSwitch, apply_patch_dropout
+from rsclip_ds.model import (ModelBundle, PatchDropoutSwitch, apply_activation_checkpointing, apply_patch_dropout,
+                             build_model)
 from rsclip_ds.profiles import (BatchSizes, Profile, activation_checkpointing_enabled, build_ds_config,
                                 derive_batch, load_profile, scaled_lr)
 from rsclip_ds.reporting.curves import plot_curves
@@ -54,7 +54,7 @@ from rsclip_ds.reporting.progress import ProgressReporter
 from rsclip_ds.reporting.summary import build_summary, print_summary, write_summary
 from rsclip_ds.reshard import load_resharded, needs_universal, universal_ds_config
 from rsclip_ds.runtime.storage import check_shared_dir
-from rsclip_ds.integrity import DiskFullError, checkpoint_bytes, param_counts, saves_in_run, space_shortfall
+from rsclip_ds.runtime.integrity import DiskFullError, checkpoint_bytes, param_counts, saves_in_run, space_shortfall
 from rsclip_ds.train import DiskFull, Guard, LoaderWorkerDied, Preempted, TrainResult, train
 
 log = logging.getLogger("rsclip_ds")
@@ -207,7 +207,7 @@ class Trainer:
                      ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in trainable.items()))
         with self._phase("eval_sets"):
             eval_hook = build_eval_hook(run, bundle, info.rank, info.world_size)  # reads the eval sets now
-        if eval_hook and run.compile.enabled:   # eager: its batch shapes vary (compilation.py)
+        if eval_hook and run.compile.enabled:   # eager: its batch shapes vary (runtime/compilation.py)
             eval_hook = eager_hook(eval_hook)
         hooks = self.extra_hooks + ([eval_hook] if eval_hook else [])
         switch = dropout and PatchDropoutSwitch(dropout, run.steps, run.model.patch_dropout_off_last_steps, info.rank)

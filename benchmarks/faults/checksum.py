@@ -31,7 +31,7 @@ import torch
 import xxhash
 
 from benchmarks.harness import base_parser, environment, write_report
-from rsclip_ds.integrity import SaveWrites, checkpoint_bytes, verify_files
+from rsclip_ds.runtime.integrity import SaveWrites, checkpoint_bytes, verify_files
 
 GiB, MiB = 2**30, 2**20
 CHUNK = 8 * MiB

@@ -36,7 +36,7 @@ RSCLIP_SETS = {"fp32": ["precision=fp32"], "bf16": ["precision=bf16"],
 # a feature both tools have, at the same setting: open_clip_train flags, rsclip_ds --set overrides
 PEERS = {
     # FLIP patch dropout, half the image tokens: timm's PatchDropout (open_clip --force-patch-dropout
-    # on a timm tower) against rsclip_ds/patch_dropout.py
+    # on a timm tower) against rsclip_ds/model.py
     "patch_dropout": (["--force-patch-dropout", "0.5"], ["model.patch_dropout=0.5"]),
     # torch.compile of the model: open_clip compiles the model it wraps in DDP; rsclip_ds's key
     # (compile.enabled) comes with its own compile support

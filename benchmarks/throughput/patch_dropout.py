@@ -31,7 +31,7 @@ from benchmarks.harness import base_parser, environment, finish, process_group, 
 from rsclip_ds.config import load_config
 from rsclip_ds.hub import ModelSource
 from rsclip_ds.model import IMAGE_MEAN, IMAGE_STD, ModelBundle, load_tokenizer, new_dual_encoder
-from rsclip_ds.patch_dropout import apply_patch_dropout
+from rsclip_ds.model import apply_patch_dropout
 from rsclip_ds.planning.flops import text_flops, vision_flops
 from rsclip_ds.planning.memory import activation_bytes_per_sample, saved_bytes
 from rsclip_ds.trainer import Trainer

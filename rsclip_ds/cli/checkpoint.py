@@ -40,7 +40,7 @@ def _tags(path: Path) -> tuple[Path, list[str], bool]:
 def check_tag(folder: Path, checksums: bool) -> tuple[str, str]:
     """(status, detail) of one tag folder."""
     from rsclip_ds.checkpoint import META
-    from rsclip_ds.integrity import MANIFEST, human, read_manifest, verify_tag
+    from rsclip_ds.runtime.integrity import MANIFEST, human, read_manifest, verify_tag
 
     if not (folder / META).is_file():
         return "incomplete", f"no {META}: a save that did not finish; never loaded"

@@ -4,7 +4,7 @@ The fraction travels inside the spec's SiglipConfig JSON, as ``vision_config.pat
 (an attribute transformers keeps and ignores), so every count made from the spec follows it:
 flops.vision_flops runs the encoder layers and the pooling head on the kept tokens (the patch
 embedding still sees the whole image), and memory's meta-device probe applies the hook
-(rsclip_ds.patch_dropout) and measures the smaller activations.
+(rsclip_ds.model, apply_patch_dropout) and measures the smaller activations.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def patch_dropout_of(vision_config) -> float:
 
 def planned_patch_dropout(model, config):
     """``model`` (memory's meta-device probe) with the patch dropout ``config`` (a SiglipConfig) carries."""
-    from rsclip_ds.patch_dropout import apply_patch_dropout
+    from rsclip_ds.model import apply_patch_dropout
 
     apply_patch_dropout(model, patch_dropout_of(config.vision_config))
     return model

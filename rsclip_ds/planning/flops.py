@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from rsclip_ds.patch_dropout import kept_tokens
+from rsclip_ds.model import kept_tokens
 from rsclip_ds.planning.dropout import patch_dropout_of
 
 

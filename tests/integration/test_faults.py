@@ -122,7 +122,7 @@ def test_a_full_disk_in_a_save_exits_6_and_a_truncated_newest_checkpoint_falls_b
     step 4 and ends with the losses of the first run. Also: the start-up estimate of a
     checkpoint's bytes against the real tag (tolerance below)."""
     from rsclip_ds.checkpoint import weights_only_loads
-    from rsclip_ds.integrity import checkpoint_bytes
+    from rsclip_ds.runtime.integrity import checkpoint_bytes
     from rsclip_ds.reporting.metrics import read_metrics
 
     out = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""Checkpoint integrity and a full disk (rsclip_ds/integrity.py, Checkpointer.save, select_resume_tag,
+"""Checkpoint integrity and a full disk (rsclip_ds/runtime/integrity.py, Checkpointer.save, select_resume_tag,
 `rsclip-ds verify-checkpoint`), in one process or forked gloo ranks: the manifest of a save, a
 truncated file and a flipped byte named, the fallback to the newest intact tag, the command's exit
 codes, the start-up space warning, and a disk that fills during a save on one rank of two (by the
@@ -21,7 +21,7 @@ import xxhash
 from rsclip_ds.checkpoint import META, POINTER, Checkpointer, read_pointer, select_resume_tag, tag_for
 from rsclip_ds.cli import main
 from rsclip_ds.config import CheckpointConfig, ConfigError
-from rsclip_ds.integrity import MANIFEST, human, saves_in_run, space_shortfall, verify_tag
+from rsclip_ds.runtime.integrity import MANIFEST, human, saves_in_run, space_shortfall, verify_tag
 from rsclip_ds.train import TrainResult
 from tests.unit.forked_ranks import run_ranks
 
@@ -242,7 +242,7 @@ def test_the_checksum_benchmark_ranks_the_hashes_and_its_section_renders(tmp_pat
     model; its JSON renders into the faults page's section."""
     from benchmarks.faults import checksum
     from benchmarks.results_tables.faults import checksum as section
-    from rsclip_ds.integrity import checkpoint_bytes
+    from rsclip_ds.runtime.integrity import checkpoint_bytes
     from rsclip_ds.planning.memory import preset_spec
 
     out = tmp_path / "checksum.json"

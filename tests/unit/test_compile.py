@@ -1,4 +1,4 @@
-"""compile.enabled (rsclip_ds/compilation.py): the Trainer's compiled run against the eager run on 2
+"""compile.enabled (rsclip_ds/runtime/compilation.py): the Trainer's compiled run against the eager run on 2
 forked gloo ranks (ZeRO-2, fp32, tiny preset), and the refused combinations.
 
 The backend here is 'aot_eager': torch.compile's capture (dynamo) and autograd tracing (AOT
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rsclip_ds.config import ConfigError, load_config
-from rsclip_ds.compilation import CompileConfig, eager_hook, refusal
+from rsclip_ds.runtime.compilation import CompileConfig, eager_hook, refusal
 from tests.unit.forked_ranks import run_ranks
 
 MICRO = 4

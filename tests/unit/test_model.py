@@ -86,7 +86,7 @@ def test_a_pretrained_folder_loads_in_training_mode_so_patch_dropout_and_checkpo
     """from_pretrained returns eval mode; a loaded model must train like a fresh one: patch
     dropout keeps half the image tokens and transformers' gradient checkpointing (which checks
     `.training`) is not skipped."""
-    from rsclip_ds.patch_dropout import apply_patch_dropout, kept_tokens
+    from rsclip_ds.model import apply_patch_dropout, kept_tokens
 
     bundle = build_model(ModelConfig(tokenizer=tok_dir), seed=3)
     save_pretrained(bundle.model, bundle.tokenizer, tmp_path)

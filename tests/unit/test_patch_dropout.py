@@ -1,4 +1,4 @@
-"""Patch dropout (rsclip_ds.patch_dropout), in one process on the tiny preset: the kept-token
+"""Patch dropout (apply_patch_dropout in rsclip_ds/model.py), in one process on the tiny preset: the kept-token
 count, evaluation and p = 0 untouched, 'global' accumulation against a big batch with the same
 masks, the switch-off for the last steps in the real train loop, and the planner's counts."""
 
@@ -11,7 +11,7 @@ import torch
 
 from rsclip_ds.losses import siglip_loss
 from rsclip_ds.model import new_dual_encoder, preset_config
-from rsclip_ds.patch_dropout import PatchDropout, PatchDropoutSwitch, apply_patch_dropout, kept_tokens
+from rsclip_ds.model import PatchDropout, PatchDropoutSwitch, apply_patch_dropout, kept_tokens
 from rsclip_ds.train import train_step_global
 from tests.helpers import LocalEngine, planned_zero2
 
