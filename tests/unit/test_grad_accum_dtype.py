@@ -1,6 +1,7 @@
 """bf16.grad_accum_dtype -> DeepSpeed's data_types.grad_accum_dtype, and the errors where
-DeepSpeed 0.19.8 would refuse the pair. What the setting does in the engine, and its parity
-bound, is tests/integration/test_benchmark_grad_accum.py."""
+DeepSpeed 0.19.8 would refuse the pair; and what 'auto' puts into a ZeRO-2 engine (2 forked ranks).
+Its parity bound against the fp32 big batch was measured by the removed
+benchmarks/precision/grad_accum.py (docs/results/training.md#grad-accum)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,45 @@ def test_a_profile_may_not_set_data_types_itself(tmp_path):
     run = load_config(None, [f"profile={path}", "precision=bf16"])
     with pytest.raises(ConfigError, match="data_types.*bf16.grad_accum_dtype"):
         build_ds_config(run, load_profile(str(path)), 2, on_gpu=False)
+
+
+def _accumulation_buffer_on_rank(rank: int, world: int, out: str) -> dict:
+    """A bf16 ZeRO-2 run as the Trainer builds it with bf16.grad_accum_dtype=auto; one micro-batch
+    of two (no step yet), then the partition DeepSpeed accumulates this rank's gradients in."""
+    import torch
+
+    from rsclip_ds.model import preset_bundle
+    from rsclip_ds.train import train_step
+    from rsclip_ds.trainer import Trainer
+
+    run = load_config(None, ["profile=zero2", "precision=bf16", "model.preset=tiny", "batch.micro_batch_size=2",
+                             "batch.gradient_accumulation_steps=2", "steps=1", "optim.warmup_steps=0",
+                             f"output_dir={out}", "checkpoint.at_end=false"])
+    g = torch.Generator().manual_seed(rank)
+    batch = {"pixel_values": torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8, generator=g),
+             "input_ids": torch.randint(0, 1000, (2, 48), generator=g)}
+    bundle = preset_bundle("tiny", None, run.seed, own_vocabulary=True)
+    trainable = sum(p.numel() for p in bundle.model.parameters() if p.requires_grad)
+    with Trainer(run, model=bundle, loader=iter([batch])) as trainer:
+        parts = trainer.build()
+        train_step(parts.engine, batch, parts.loss_fn, torch.bfloat16)
+        opt = parts.engine.optimizer
+        # ZeRO-1/2 with fp32 accumulation: the fp32 partition per group; otherwise the 16-bit one
+        groups = [g.flat_partition for g in opt.averaged_gradients.values() if hasattr(g, "flat_partition")]
+        buffer = torch.cat([g.view(-1) for g in groups]) if groups else opt.grads_in_partition
+        return {"optimizer": type(opt).__name__, "trainable": trainable,
+                "dtype": None if buffer is None else str(buffer.dtype),
+                "bytes": None if buffer is None else buffer.numel() * buffer.element_size()}
+
+
+def test_auto_accumulates_zero2_gradients_in_an_fp32_partition(tmp_path):
+    """What the DeepSpeed config above does in the engine: ZeRO-2's gradient partition is fp32,
+    4 bytes per trainable parameter / W (what planning/memory.py counts for fp32 accumulation)."""
+    from tests.unit.forked_ranks import run_ranks
+
+    ranks = run_ranks(_accumulation_buffer_on_rank, 2, tmp_path / "ranks", str(tmp_path / "run"),
+                      launcher_env=True, timeout=300)
+    assert all("error" not in r for r in ranks), [r.get("traceback") for r in ranks]
+    for r in (r["value"] for r in ranks):
+        assert (r["optimizer"], r["dtype"]) == ("DeepSpeedZeroOptimizer", "torch.float32"), r
+        assert r["bytes"] == pytest.approx(4 * r["trainable"] / 2, rel=0.01), r

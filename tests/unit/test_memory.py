@@ -315,3 +315,21 @@ def test_the_speed_score_uses_the_communication_model():
     assert secs(z2, one, slow) == secs(z2, one)
     d1, d2 = secs(z1, two, slow) - secs(z1, two), secs(z2, two, slow) - secs(z2, two)
     assert d1 > 0 and 8 < d2 / d1 < 16     # gradients 16x, the parameter all-gather once for both
+
+
+def test_chunked_siglip_keeps_no_logits_from_forward_to_backward():
+    """loss.chunk_size: each (chunk, B) block of logits is recomputed in backward, so the forward
+    keeps none of them for backward -- less than one chunk's logits_bytes, where the unchunked form
+    keeps the whole (B, B) (the ring's blocks on W ranks: docs/results/training.md#contrastive)."""
+    from rsclip_ds.losses import siglip_loss_global
+    from rsclip_ds.planning.memory import saved_bytes
+
+    b, d, chunk = 256, 8, 32
+    image = torch.nn.functional.normalize(torch.randn(b, d), dim=-1).requires_grad_()
+    text = torch.nn.functional.normalize(torch.randn(b, d), dim=-1).requires_grad_()
+    scale, bias = torch.tensor([2.3], requires_grad=True), torch.tensor([-10.0], requires_grad=True)
+    leaves = [image, text, scale, bias]
+    whole = saved_bytes(lambda: siglip_loss_global(image, text, scale, bias), leaves)
+    chunked = saved_bytes(lambda: siglip_loss_global(image, text, scale, bias, chunk_size=chunk), leaves)
+    assert whole == pytest.approx(logits_bytes("siglip", b, b), rel=0.01)
+    assert chunked < logits_bytes("siglip", chunk, b), chunked

@@ -224,3 +224,17 @@ def test_each_command_on_the_page_names_a_script_and_flags_it_defines(source):
     assert not missing, f"{source.command}: {missing} not defined by benchmarks.{module}"
     out = re.search(r"--out ([^\s;]+)", source.command).group(1)
     assert fnmatch.fnmatchcase(out, f"benchmarks/results/{source.pattern}"), f"{source.command} does not write it"
+
+
+def test_a_skipped_chaos_fault_renders_as_a_note_under_the_table():
+    """faults_chaos.json's rows as benchmarks/faults/chaos.py wrote them (the script is removed, its
+    section stays): a row run to the end is a table line, a skipped one (a key this version rejects)
+    a note naming why."""
+    from benchmarks.results_tables.chaos import faults_chaos
+
+    row = {"fault": "python_error", "what": "rank 1 raises a Python error at step 7", "exit_code": 1,
+           "first_message": "[01:14:19 rank1] x", "steps_lost": 2, "final_loss": 4.25, "equal": True}
+    lines = faults_chaos({"faults_chaos.json": {"reference": {"final_loss": 4.25},
+                                                "rows": [row, {"fault": "later_key", "what": "w", "skipped": "no key"}]}})
+    assert "| `python_error`: rank 1 raises a Python error at step 7 | 1 | `[rank1] x` | 2 | 4.25000 (equal) |" in lines
+    assert lines[-2] == "`later_key` (w): skipped, no key."
