@@ -2,8 +2,8 @@
 model, shards and settings, each launched the way its users launch it.
 
     bash benchmarks/throughput/openclip_env.sh runs/openclip-venv          # once: open_clip's own environment
-    python -m benchmarks.throughput.compare --open-clip runs/openclip-venv --out benchmarks/results/throughput_openclip.json
-    python -m benchmarks.throughput.compare --open-clip runs/openclip-venv --tiny --out /tmp/oc.json   # ~90 s
+    python -m benchmarks.throughput.openclip --open-clip runs/openclip-venv --out benchmarks/results/throughput_openclip.json
+    python -m benchmarks.throughput.openclip --open-clip runs/openclip-venv --tiny --out /tmp/oc.json   # ~90 s
 
 The full run: 7 cases x 3 interleaved repeats of 60 steps, ~25 minutes on 2 idle cores (on a
 shared machine add --wait-quiet 1800 --max-foreign 0.1: see parse_args). This is a plain
@@ -386,7 +386,6 @@ def parse_args(argv):
     parser.add_argument("--max-foreign", type=float, default=1.0, metavar="SHARE",
                         help="run a case again (3 attempts at most) when other processes took more than this "
                              "share of the cores during its timed steps (e.g. 0.1 on a shared machine)")
-    parser.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)   # throughput.py's, unused
     return parser.parse_args(argv)
 
 

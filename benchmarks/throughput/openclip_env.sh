@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/throughput/openclip_env.sh runs/openclip-venv        (~1 minute; 1.4 GB)
 #   OPENCLIP_SYSTEM_TORCH=1 bash benchmarks/throughput/openclip_env.sh VENV   (a GPU host: its own CUDA torch)
-#   python -m benchmarks.throughput.compare --open-clip runs/openclip-venv --out benchmarks/results/throughput_openclip.json
+#   python -m benchmarks.throughput.openclip --open-clip runs/openclip-venv --out benchmarks/results/throughput_openclip.json
 #
 # Why a venv of its own: open-clip-torch[training] pins webdataset<=0.2.86, rsclip_ds needs >=1.0.2.
 # The same torch as rsclip_ds's (2.13.0, CPU build) so both sides run the same kernels.

@@ -588,8 +588,8 @@ def test_collector_rule_on_a_sample():
     ("python -m benchmarks.comms.scaling --out /tmp/s.json --mfu 0.3", []),
     ("python -m benchmarks.comms.scaling --mfu 0.3", ["the following arguments are required: --out"]),
     ("python -m benchmarks.comms.scaling --out /tmp/s.json --bogus", ["unrecognized arguments: --bogus"]),
-    ("python -m benchmarks.throughput.compare --open-clip VENV --tiny --out /tmp/oc.json", []),   # openclip's flags
-    ("python -m benchmarks.throughput.compare --open-clip VENV --openclip-steps 8 --out /tmp/oc.json",
+    ("python -m benchmarks.throughput.openclip --open-clip VENV --tiny --out /tmp/oc.json", []),
+    ("python -m benchmarks.throughput.openclip --open-clip VENV --openclip-steps 8 --out /tmp/oc.json",
      ["unrecognized arguments: --openclip-steps"]),                                   # gpu.py's flag, not its
     ("python -m benchmarks.comms.scaling --out benchmarks/nowhere/s.json", ["folder benchmarks/nowhere/"]),
     ("python -m benchmarks.memory.per_rank --combine benchmarks/results/peak/*.json --out /tmp/p.json", []),
