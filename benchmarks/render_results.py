@@ -9,7 +9,9 @@ PAGES lists the pages (one per benchmark group, as benchmarks/ is grouped) and R
 them. A page holds its families in order; each family is a section under a stable anchor that
 other docs link to (`results/memory.md#memory-peak`), with a table function
 (benchmarks/results_tables/) and its sources: the results files it shows (a name under the
-results folder, or a glob) with the command that writes each. A results file that no source
+results folder, or a glob) with the command that writes each, or a note where no command does (an
+earlier run kept for its spread; a one-off investigation whose script was removed once its finding
+was recorded, with the commit that restores it). A results file that no source
 matches stops the render, naming the file: a new benchmark gets its source and its section here.
 A page over PAGE_LIMIT stops it too, naming the page: move a family to another page. The render
 reads only JSON (no torch), walks files in sorted order and prints no time of its own, so the
@@ -50,7 +52,8 @@ class ResultsError(RuntimeError):
 @dataclass(frozen=True)
 class Source:
     """Results files (a name under the results folder, or a glob) and the command that writes them;
-    `note` instead of a command for a kept earlier run of another source's command."""
+    `note` instead of a command for a kept earlier run of another source's command, or for the
+    results of a script removed once its finding was recorded (`removed`)."""
     pattern: str
     command: str | None = None
     note: str = ""
@@ -83,6 +86,13 @@ def ds(ranks: int, module: str, args: str) -> str:
     return f"DS_ACCELERATOR=cpu deepspeed --num_gpus {ranks} --module benchmarks.{module} {args}"
 
 
+def removed(script: str, also: str = "") -> str:
+    """The note of a result whose script was a one-off investigation, removed once its finding was
+    recorded here and in docs/benchmarks/; RESTORE is the last commit that has it."""
+    return (f"{script}{also}, removed once its finding was recorded; `git show {RESTORE}:{script}` restores it")
+
+
+RESTORE = "b0417e1"
 R = "benchmarks/results"
 BASE = "--preset git-rsclip-base --micro 2 --steps 1 --profiles zero2 zero3 zero3_offload"
 LORA = "--set 'finetune.lora.towers=[image,text]'"
@@ -96,12 +106,13 @@ OPENCLIP = ("--open-clip runs/openclip-venv --profiles zero2 --repeats 3 --steps
 THROUGHPUT = (
     Family("throughput", "Throughput: our loop, a bare DeepSpeed loop, the Hugging Face Trainer",
            throughput.throughput, (
-               Source("throughput.json", ds(2, "throughput.compare", f"--out {R}/throughput.json")),
+               Source("throughput.json", note=removed("benchmarks/throughput/compare.py",
+                                                      " (with loops.py and report.py beside it)")),
                Source("throughput.run*.json",
-                      note="earlier runs of the same command on a loaded machine, kept for the spread"))),
+                      note="earlier runs of the same script on a loaded machine, kept for the spread"))),
     Family("throughput-openclip", "Throughput against open_clip's own trainer", throughput.throughput_openclip, (
         Source("throughput_openclip.json",
-               py("throughput.compare", f"{OPENCLIP} --out {R}/throughput_openclip.json")),
+               py("throughput.openclip", f"{OPENCLIP} --out {R}/throughput_openclip.json")),
         Source("throughput_openclip_users.json",
                py("throughput.openclip", "--open-clip runs/openclip-venv --style users --profiles zero2 --precisions "
                   f"fp32 --openclip-precisions fp32 --repeats 3 --steps 60 --wait-quiet 60 --max-foreign 0.15 "
@@ -112,12 +123,12 @@ THROUGHPUT = (
                   f"--out {R}/throughput_openclip_peers.json")))),
     Family("patch-dropout", "Patch dropout 0 / 0.5 / 0.75: samples/s, activations, quality at equal compute",
            throughput.patch_dropout, (
-               Source("patch_dropout.json", ds(2, "throughput.patch_dropout", f"--out {R}/patch_dropout.json")),)),
+               Source("patch_dropout.json", note=removed("benchmarks/throughput/patch_dropout.py")),)),
     Family("distill", "Distillation: samples/s and seconds per step with and without a teacher",
            throughput.distill, (
-               Source("distill.json", ds(2, "throughput.distill", f"--out {R}/distill.json")),)),
+               Source("distill.json", note=removed("benchmarks/throughput/distill.py")),)),
     Family("compile", "Compilation: eager against compiled per profile", throughput.compile_profiles, (
-        Source("compile.json", ds(2, "throughput.compile", f"--out {R}/compile.json")),)),
+        Source("compile.json", note=removed("benchmarks/throughput/compile.py")),)),
     Family("gpu", "One GPU: samples/s, MFU, peak memory", throughput.gpu, (
         Source("gpu_h200.json", py("gpu", f"--out {R}/gpu_h200.json")),
         Source("gpu_h200_loader.json", py("gpu", f"--profiles zero2 --ac off --data tensor loader "
@@ -142,26 +153,26 @@ MEMORY = (
         Source("memory_peak_base.json", py("memory.per_rank", f"--combine {R}/peak/*.json "
                                                               f"--out {R}/memory_peak_base.json")))),
     Family("build-rss", "Host memory of the model build: whole against zero.Init", memory.build_rss, (
-        Source("build_rss.json",
-               "DS_ACCELERATOR=cpu " + py("memory.per_rank", f"--build-rss --out {R}/build_rss.json")),)),
+        Source("build_rss.json", note=removed("benchmarks/memory/build.py",
+                                              " (the --build-rss mode of that commit's memory/per_rank.py)")),)),
     Family("checkpoint-bytes", "Checkpoint bytes per rank", memory.checkpoint_bytes, (
         Source("checkpoint_bytes.json", py("memory.checkpoint_bytes", f"--out {R}/checkpoint_bytes.json")),
         Source("checkpoint_bytes_before.json",
                py("memory.checkpoint_bytes", f"--tree {OLDER} --out {R}/checkpoint_bytes_before.json")))),
     Family("step-faults", "Per-step host memory: page faults and system time", memory.step_faults, (
-        Source("step_faults.json", py("memory.step_faults", f"--out {R}/step_faults.json")),)),
+        Source("step_faults.json", note=removed("benchmarks/memory/step_faults.py")),)),
 )
 
 DATA = (
     Family("decode", "JPEG decoders on one core", data.decode, (
-        Source("decode.json", py("data.decode", f"--out {R}/decode.json --simd-python /tmp/simd/bin/python")),)),
+        Source("decode.json", note=removed("benchmarks/data/decode.py")),)),
     Family("loader", "The loader per CPU-second", data.loader, (
         Source("loader.json", py("data.loader", f"--out {R}/loader.json")),
         Source("loader.before_uint8.json", note="the same command before the uint8 transport (the file's `note`)"))),
     Family("ingest", "make-shards --hf-dataset against a bare pyarrow + tarfile loop", data.ingest, (
-        Source("ingest.json", py("data.ingest", f"--out {R}/ingest.json")),)),
+        Source("ingest.json", note=removed("benchmarks/data/ingest.py")),)),
     Family("leakage", "check-leakage per core: hashing, the index query, the Git-10M projection", data.leakage, (
-        Source("leakage.json", py("data.leakage", f"--out {R}/leakage.json")),)),
+        Source("leakage.json", note=removed("benchmarks/data/leakage.py")),)),
 )
 
 COMMS = (
@@ -177,32 +188,34 @@ COMMS = (
     Family("scaling", "Scaling on paper: minutes per Git-10M epoch", comms.scaling, (
         Source("scaling.json", py("comms.scaling", f"--out {R}/scaling.json")),)),
     Family("heartbeat", "Heartbeat store traffic at 64 and 256 ranks", comms.heartbeat, (
-        Source("heartbeat.json", py("comms.heartbeat", f"--out {R}/heartbeat.json")),)),
+        Source("heartbeat.json", note=removed("benchmarks/comms/heartbeat.py")),)),
 )
 
 TRAINING = (
     Family("contrastive", "Loss memory and time; plain against global accumulation", training.contrastive, (
-        Source("contrastive.json", ds(2, "loss.contrastive", f"--out {R}/contrastive.json")),)),
+        Source("contrastive.json", note=removed("benchmarks/loss/contrastive.py")),)),
     Family("grad-accum", "bf16 gradient accumulation against the fp32 big batch", training.grad_accum, (
-        Source("grad_accum.json", ds(2, "precision.grad_accum", f"--out {R}/grad_accum.json")),)),
+        Source("grad_accum.json", note=removed("benchmarks/precision/grad_accum.py")),)),
     Family("pure-bf16", "bf16 master weights at equal steps", training.pure_bf16, (
-        Source("pure_bf16.json", ds(2, "precision.pure_bf16", f"--out {R}/pure_bf16.json")),)),
+        Source("pure_bf16.json", note=removed("benchmarks/precision/pure_bf16.py")),)),
 )
 
 FAULTS = (
     Family("checksum", "Checkpoint manifest: checksum cost per GiB and per save", faults.checksum, (
-        Source("checksum.json", py("faults.checksum", f"--out {R}/checksum.json")),)),
+        Source("checksum.json", note=removed("benchmarks/faults/checksum.py")),)),
     Family("faults-chaos", "Chaos: each fault, then --resume auto to the end", chaos.faults_chaos, (
-        Source("faults_chaos.json", py("faults.chaos", f"--out {R}/faults_chaos.json")),)),
+        Source("faults_chaos.json", note=removed("benchmarks/faults/chaos.py")),)),
 )
 
 PAGES = (
-    Page("throughput.md", "Throughput", "`benchmarks/throughput/`, `benchmarks/gpu.py`", THROUGHPUT),
-    Page("memory.md", "Memory", "`benchmarks/memory/`", MEMORY),
-    Page("data.md", "Data", "`benchmarks/data/`", DATA),
-    Page("comms.md", "Communication", "`benchmarks/comms/`", COMMS),
-    Page("training.md", "Losses and precision", "`benchmarks/loss/`, `benchmarks/precision/`", TRAINING),
-    Page("faults.md", "Faults", "`benchmarks/faults/`", FAULTS),
+    Page("throughput.md", "Throughput", "`benchmarks/throughput/`, `benchmarks/gpu.py` and removed one-off scripts",
+         THROUGHPUT),
+    Page("memory.md", "Memory", "`benchmarks/memory/` and removed one-off scripts", MEMORY),
+    Page("data.md", "Data", "`benchmarks/data/` and removed one-off scripts", DATA),
+    Page("comms.md", "Communication", "`benchmarks/comms/` and a removed one-off script", COMMS),
+    Page("training.md", "Losses and precision", "removed one-off scripts (`benchmarks/loss/`, `benchmarks/precision/`)",
+         TRAINING),
+    Page("faults.md", "Faults", "removed one-off scripts (`benchmarks/faults/`)", FAULTS),
 )
 FAMILIES = tuple(f for page in PAGES for f in page.families)
 

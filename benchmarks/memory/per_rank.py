@@ -16,12 +16,6 @@ CPU ranks: DeepSpeedCPUAdam, JIT-built on first use); `--set bf16.grad_accum_dty
 Writes the JSON given by --out and a PNG beside it (same name, .png); rank 0 prints the table.
 On 2 CPU ranks of a 2-core machine the tiny preset takes ~1 minute, mostly engine builds.
 
-    DS_ACCELERATOR=cpu python -m benchmarks.memory.per_rank --build-rss --out benchmarks/results/build_rss.json
-
-measures instead the host memory (VmHWM / VmRSS) each rank needs to build a ZeRO-3 run of
-git-rsclip-base, model built whole against inside deepspeed.zero.Init, launching its own ranks
-once per variant: see benchmarks/memory/build.py.
-
 For every profile in ds_profiles/ the process builds the engine, loss and activation
 checkpointing a run gets (`rsclip_ds.trainer.Trainer(run, model=..., loader=...).build()`; the
 model is `rsclip_ds.model.preset_bundle` with the preset's own vocabulary, as `memory.preset_spec`
@@ -94,7 +88,6 @@ import torch.distributed as dist
 
 from benchmarks.harness import (base_parser, environment, finish, max_over_ranks, process_group, pyplot, rank0_print,
                      save_figure)
-from benchmarks.memory import build as memory_build
 from benchmarks.memory.counting import measured_step
 from benchmarks.memory.peak import measured_peak, resident_bytes, tune_host_allocator
 from rsclip_ds.planning import memory
@@ -405,10 +398,8 @@ def combine(paths: list[Path], out: Path) -> dict:
 
 def parse_args(argv):
     parser = base_parser(__doc__)
-    parser.add_argument("--preset", default=None, help="model preset (rsclip_ds.model.PRESETS); default tiny, "
-                                                      "git-rsclip-base with --build-rss")
-    parser.add_argument("--precision", nargs="+", default=None, choices=("fp32", "bf16"),
-                        help="one (default fp32); --build-rss runs each given (default: bf16 fp32)")
+    parser.add_argument("--preset", default="tiny", help="model preset (rsclip_ds.model.PRESETS)")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--micro", type=int, default=4, help="samples per rank per micro-batch")
     parser.add_argument("--steps", type=int, default=3, help="train steps before the measured one")
     parser.add_argument("--accumulation", type=int, nargs="*", default=[], metavar="K",
@@ -421,29 +412,19 @@ def parse_args(argv):
                         help="a fine-tuning control or precision setting (finetune.*, bf16.*, optim.impl; "
                              "repeatable), e.g. finetune.lock_image=true, 'finetune.lora.towers=[image,text]', "
                              "bf16.master_weights=bf16")
-    memory_build.add_arguments(parser)
     args = parser.parse_args(argv)
-    build = args.build_rss or args.build_rss_worker
-    check_sets(parser, args.set, build)
-    args.preset = args.preset or ("git-rsclip-base" if build else "tiny")
-    args.precision = args.precision or (["bf16", "fp32"] if build else ["fp32"])
-    if not build:
-        if len(args.precision) > 1:
-            parser.error("--precision takes one value here (several only with --build-rss)")
-        args.precision = args.precision[0]
+    check_sets(parser, args.set)
     return args
 
 
 SET_KEYS = ("finetune.", "bf16.", "optim.impl=")
 
 
-def check_sets(parser, sets: list[str], build: bool) -> None:
+def check_sets(parser, sets: list[str]) -> None:
     """--set takes finetune.*, bf16.* and optim.impl only (the rest of the run is this script's),
     and they must validate: a bad key or value stops here, before any process group exists."""
     from rsclip_ds.config import ConfigError
 
-    if sets and build:
-        parser.error("--set applies to the engine measurement, not to --build-rss")
     for item in sets:
         if not item.startswith(SET_KEYS) or "=" not in item:
             parser.error(f"--set {item!r}: only finetune.KEY=VALUE, bf16.KEY=VALUE and optim.impl=VALUE are "
@@ -472,8 +453,6 @@ def main(argv=None) -> int:
         report = combine(args.combine, args.out)
         print(f"wrote {args.out}; all within target: {report['all_pass']}")
         return 0
-    if args.build_rss or args.build_rss_worker:
-        return memory_build.main(args)
     if args.accumulation:
         return main_peaks(args)
     with process_group(args.threads) as info:

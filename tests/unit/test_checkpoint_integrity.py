@@ -234,25 +234,3 @@ def test_a_real_full_disk_during_a_save(tmp_path, small_tmpfs):
         f.write(b"\0" * (st.f_bavail * st.f_frsize - one_save * 3 // 2))
     msg = _disk_full(tmp_path, small_tmpfs / "checkpoints", {}, ranks="(rank 0|rank 1|ranks 0, 1)")
     assert f"(tmpfs mounted at {small_tmpfs}: " in msg
-
-
-def test_the_checksum_benchmark_ranks_the_hashes_and_its_section_renders(tmp_path):
-    """benchmarks/faults/checksum.py in its seconds-long form: every algorithm timed, xxh3_128 far
-    faster than blake2b, the hashed save read back intact, the tiny preset's bytes from the memory
-    model; its JSON renders into the faults page's section."""
-    from benchmarks.faults import checksum
-    from benchmarks.results_tables.faults import checksum as section
-    from rsclip_ds.runtime.integrity import checkpoint_bytes
-    from rsclip_ds.planning.memory import preset_spec
-
-    out = tmp_path / "checksum.json"
-    assert checksum.main(["--mib", "8", "--repeats", "1", "--out", str(out)]) == 0
-    rep = json.loads(out.read_text())
-    rates = {r["algorithm"]: r["memory_s_per_gib"] for r in rep["hash"]}
-    assert sorted(rates) == ["blake2b", "crc32", "xxh3_128", "xxh3_64"] and rates["xxh3_128"] * 5 < rates["blake2b"]
-    assert rep["save"]["bytes"] >= 8 * 2**20 and rep["save"]["verify_cold_s"] > 0
-    tiny = preset_spec("tiny")
-    assert [(m["model"], m["measured"]) for m in rep["models"]] == [("tiny", True), ("git-rsclip-base", False)]
-    assert rep["models"][0]["checkpoint_bytes"] == checkpoint_bytes(tiny.params, tiny.trainable, "fp32", "fp32", 2)
-    lines = section({"checksum.json": rep})
-    assert any(line.startswith("| xxh3_128 | ") for line in lines) and any("| git-rsclip-base |" in x for x in lines)

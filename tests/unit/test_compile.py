@@ -3,7 +3,8 @@ forked gloo ranks (ZeRO-2, fp32, tiny preset), and the refused combinations.
 
 The backend here is 'aot_eager': torch.compile's capture (dynamo) and autograd tracing (AOT
 autograd), run by eager kernels -- the whole path the Trainer wires, in seconds. inductor generates
-kernels (80 s for the tiny model on one CPU core): benchmarks/throughput/compile.py measures it.
+kernels (80 s for the tiny model on one CPU core): measured by the removed benchmarks/throughput/compile.py
+(docs/results/throughput.md#compile).
 Tolerance: rtol 1e-5 on fp32 losses (aot_eager runs the same kernels, measured bit-equal; inductor
 reorders float sums: 1e-7 relative measured on `tiny`).
 """

@@ -4,7 +4,8 @@ of their own that are unmapped at free and page-faulted in afresh every step.
 
 Asserted through where glibc puts the blocks (/proc/self/maps), which holds on any glibc
 machine. How many faults that saves per step depends on the machine (page size, transparent huge
-pages): benchmarks/memory/step_faults.py measures it on the engine."""
+pages): the removed benchmarks/memory/step_faults.py measured it on the engine
+(docs/results/memory.md#step-faults)."""
 
 from __future__ import annotations
 

@@ -227,26 +227,6 @@ def test_make_shards_hf_dataset_exclude_near(suite, tmp_path, capsys):
     assert _tar_keys(tmp_path / "out") == {f"{i:09d}" for i in range(12) if i not in (3, 5, 8, 9)}
 
 
-# --------------------------------------------------------------------------- the benchmark's tiny form
-
-def test_tiny_leakage_benchmark_reports_rates_and_a_projection(tmp_path):
-    from benchmarks.data.leakage import main as bench
-
-    out = tmp_path / "leakage.json"
-    assert bench(["--tiny", "--out", str(out)]) == 0
-    r = json.loads(out.read_text())
-    assert r["benchmark"] == "leakage" and r["tiny"] is True and "imagehash" in r["hash_method"]
-    assert set(r["hash"]) == {"256", "600"} and all(h["images_per_cpu_s"]["median"] > 0 for h in r["hash"].values())
-    assert set(r["query"]) == {"uniform", "synthetic scenes"}
-    for q in r["query"].values():   # 6 bands x 12 probes over 500 hashes: a fraction of them compared
-        assert q["indexed"] == 500 and 0 < q["candidates_per_query"] < 500
-    d = r["discrimination"]
-    assert d["distinct_pairs"] == 24 * 23 // 2 and d["distinct_matched"] <= d["distinct_matched_coarse_only"]
-    assert set(d["copies"]) == {"jpeg q20", "jpeg q40", "png", "resized to 160 px", "brightness x1.05"}
-    p = r["git10m_projection"]
-    assert p["minutes"] == pytest.approx(10_500_000 / (32 * r["shard"]["images_per_cpu_s"]["median"]) / 60)
-
-
 def test_an_interrupted_exclude_near_conversion_resumes_with_its_pairs(suite, tmp_path):
     """A conversion stopped after its first shards keeps the pairs found so far (the progress file)
     and, rerun, ends with the report and bytes of an uninterrupted one; other evaluation images refuse."""

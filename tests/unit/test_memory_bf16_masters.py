@@ -1,7 +1,7 @@
 """The memory model with bf16 master weights (bf16.master_weights=bf16): 2 + 2 + 6 bytes per
 trainable parameter where mixed precision holds 2 + 2 + 12. The numbers were measured on 2 CPU
-ranks by benchmarks/memory/per_rank.py --precision bf16 --set bf16.master_weights=bf16 (the slow test is
-tests/integration/test_benchmark_memory.py)."""
+ranks by benchmarks/memory/per_rank.py --precision bf16 --set bf16.master_weights=bf16; what the engine
+holds in a real run is tests/integration/test_bf16_master_weights.py."""
 
 from __future__ import annotations
 
