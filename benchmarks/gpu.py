@@ -6,43 +6,29 @@ memory (--data tensor, the default). No network; the shards are synthetic.
     python -m benchmarks.gpu --out benchmarks/results/gpu_h200.json
     python -m benchmarks.gpu --profiles zero2 --ac off --data tensor loader \
         --out benchmarks/results/gpu_h200_loader.json        # the data path: 4 cases, ~4 min
-
-One command, 8 configurations and 3 variants, under 10 minutes on an H200 (about 45 s each:
-start-up, engine, 2 warm-up steps, then timed steps for --seconds; --total-budget 560 s skips what
-would start later). The variants (--variants, benchmarks/gpu_variants.py) are git-rsclip-base /
-zero2 / no AC again with one feature on: patch_dropout (model.patch_dropout=0.5), compile
-(compile.enabled=true), distill (distill.teacher=<a random-weight git-rsclip-large folder written
-once per command> distill.weight=1.0); the report pairs each with its base case. Each configuration runs in its own process
-(a fresh CUDA context, so peak memory is its own); one that fails or runs out of its time is
-recorded with the reason and the others go on. CPU smoke tests (what the slow test runs):
-
-    DS_ACCELERATOR=cpu python -m benchmarks.gpu --model tiny --variants base patch_dropout --out /tmp/gpu_tiny.json
-    DS_ACCELERATOR=cpu python -m benchmarks.gpu --model tiny --profiles zero2 --ac off --data tensor loader \
-        --data-images 64 --data-px 64 --loader-workers 1 --out /tmp/gpu_tiny_loader.json
-
-The hybrid-sharding profiles (zero3_hpz, zero3_zeropp; `--profiles hybrid`) are refused here:
-on one rank DeepSpeed skips the parameter gather (_no_gather_coalesced) and qgZ needs more than
-one node, so each would equal zero3 and measure nothing -- while building zero3_zeropp's
-quantizer JIT-compiles a CUDA op with nvcc (minutes, or a failure without the CUDA toolkit)
-inside the case timeout. They are measured on 2+ nodes: benchmarks/comms/multigpu_hybrid.sh.
-
-Against open_clip on one GPU (docs/benchmarks/throughput.md, "Against open_clip"; VENV from
-benchmarks/throughput/openclip_env.sh, built on the GPU host), ~8 minutes with the patch-dropout and
-compile peers (--openclip-peers); and its CPU smoke test (~1 minute):
-
     python -m benchmarks.gpu --open-clip VENV --model git-rsclip-base --out benchmarks/results/gpu_h200_openclip.json
-    python -m benchmarks.gpu --open-clip VENV --model tiny --openclip-steps 8 --loader-workers 1 \
-        --openclip-peers patch_dropout --out /tmp/gpu_oc.json
+    DS_ACCELERATOR=cpu python -m benchmarks.gpu --model tiny --variants base patch_dropout --out /tmp/gpu_tiny.json
+
+The first: 8 configurations and 3 variants (benchmarks/gpu_variants.py: the same case again with
+patch dropout, compilation or a distillation teacher), under 10 minutes on an H200 (about 45 s
+each: start-up, engine, 2 warm-up steps, then timed steps for --seconds; --total-budget 560 s
+skips what would start later). Each configuration runs in its own process (a fresh CUDA context,
+so peak memory is its own); one that fails or runs out of its time is recorded with the reason
+and the others go on. The hybrid-sharding profiles are refused on one rank
+(refuse_one_rank_hybrid says why; benchmarks/comms/multigpu_hybrid.sh measures them). --open-clip:
+the open_clip comparison on one rank (docs/benchmarks/throughput.md; VENV from
+benchmarks/throughput/openclip_env.sh, built on the GPU host), with the patch-dropout and compile
+peers (--openclip-peers), ~8 minutes. The last line is the CPU smoke form.
 
 Per configuration: samples/s (timed steps x micro / seconds, after warm-up, with a device sync
 at both ends), model FLOPs per sample (rsclip_ds.planning.flops: 3 x the forward matmul FLOPs of both
-towers), MFU = FLOPs per sample x samples/s / peak bf16 FLOP/s of the device (989 TFLOP/s dense
-for H100/H200 SXM; --peak-tflops for others), HFU (counting the recomputed forward under
-activation checkpointing), and torch.cuda.max_memory_allocated over engine build + steps.
-The engine, loss and activation checkpointing are the run's (`rsclip_ds.trainer.Trainer(run,
-model=..., loader=...).build()`: the model is `rsclip_ds.model.preset_bundle` with the preset's
-own vocabulary, built whole on the device (see run_case for why also under ZeRO-3)); the step is
-rsclip_ds.train.train_step with the SigLIP loss (one rank: local = global).
+towers), MFU = FLOPs per sample x samples/s / peak bf16 FLOP/s of the device (gpu_peaks.py;
+--peak-tflops for others), HFU (counting the recomputed forward under activation checkpointing),
+and torch.cuda.max_memory_allocated over engine build + steps. The engine, loss and activation
+checkpointing are the run's (`rsclip_ds.trainer.Trainer(run, model=..., loader=...).build()`: the
+model is `rsclip_ds.model.preset_bundle` with the preset's own vocabulary, built whole on the
+device (see run_case for why also under ZeRO-3)); the step is rsclip_ds.train.train_step with the
+SigLIP loss (one rank: local = global).
 
 The batches: --data tensor, one synthetic batch in device memory that every step reuses (the
 model's time alone); --data loader, the Trainer's own loader (`Trainer(run, model=...)` without
@@ -71,10 +57,11 @@ if not __package__:   # `python benchmarks/gpu.py`: the package's imports below 
     sys.exit("run the benchmarks as modules from the repository root: python -m benchmarks.gpu --out ...")
 
 from benchmarks.gpu_peaks import mfu_per_device, peak_flops
-from benchmarks.gpu_report import print_table
 from benchmarks.gpu_variants import (VARIANTS, pair_with_base, teacher_batch, variant_case, variant_overrides,
                                      write_teacher)
-from benchmarks.harness import base_parser, environment, process_group, run_script, write_report
+from benchmarks.harness import (base_parser, environment, page_tables, process_group, run_script, synthetic_data,
+                                write_report)
+from benchmarks.results_tables.throughput import gpu as gpu_tables
 
 # micro-batch per GPU: activations ~75 MiB/sample (base) and ~243 MiB/sample (large) without
 # checkpointing (rsclip_ds.planning.memory) -> ~19 / ~31 GB, beside 16 bytes/param of model states.
@@ -138,21 +125,6 @@ def cases(models: list[str], profiles: list[str], ac: list[bool], micro: int | N
         if "base" in variants:
             out += grid[1:]
     return out
-
-
-# --------------------------------------------------------------------------- data for --data loader
-
-def write_loader_data(root: Path, *, images: int, px: int, shard_size: int = 64) -> dict:
-    """make-synthetic shards of `images` px-sized JPEG scenes and a tokenizer trained on their
-    captions (500 tokens: ids fit every preset's vocabulary) -> {"train_pattern", "tokenizer"}."""
-    from rsclip_ds.data.synthetic import make_synthetic
-    from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
-
-    index = make_synthetic(root, num_train=images, num_val=1, shard_size=shard_size, image_size=px, seed=0,
-                           progress=False)
-    urls = [str(root / s["url"]) for s in index["train"]]
-    train_tokenizer(iter_captions(urls), root / "tokenizer", vocab_size=500, max_length=64)
-    return {"train_pattern": index["train_pattern"], "tokenizer": str(root / "tokenizer")}
 
 
 def timed_steps(step: Callable[[dict], object], batches: Iterator[dict], *, warmup: int, seconds: float,
@@ -397,7 +369,7 @@ def openclip_comparison(args) -> int:
     import torch
     from benchmarks.throughput.openclip import cases as openclip_cases
     from benchmarks.throughput.openclip import compare, one_rank_bench
-    from benchmarks.throughput.openclip_report import plot, print_tables
+    from benchmarks.throughput.openclip_report import plot
 
     shape = args.model[0]
     bench = one_rank_bench(shape, args.micro or MICRO.get(shape, 8), args.openclip_steps, args.loader_workers,
@@ -405,7 +377,7 @@ def openclip_comparison(args) -> int:
     todo = openclip_cases(["amp_bf16", "pure_bf16"], ["zero2"], ["bf16"], args.openclip_peers)
     report = compare(bench, todo, args.open_clip, Path("runs/bench_data"), Path("runs/bench_openclip"),
                      say=lambda m: print(m, flush=True))
-    write_report(report, args.out, print_tables, plot)
+    write_report(report, args.out, page_tables(gpu_tables, args.out.name), plot)
     print(f"wrote {args.out} in {report['seconds']:.0f}s")
     return 0 if all(r["ok"] for r in report["runs"]) else 1
 
@@ -428,7 +400,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as data_dir:
         if "loader" in args.data:   # written once: every loader case reads the same shards
             t0 = time.perf_counter()
-            data = write_loader_data(Path(data_dir), images=args.data_images, px=args.data_px)
+            data = synthetic_data(Path(data_dir), num_train=args.data_images, num_val=1, shard_size=64,
+                                  image_size=args.data_px)
             args.shards, args.tokenizer = data["train_pattern"], data["tokenizer"]
             print(f"loader data: {args.data_images} x {args.data_px} px JPEG in {time.perf_counter() - t0:.0f}s",
                   flush=True)
@@ -439,7 +412,7 @@ def main(argv=None) -> int:
                                              Path(args.tokenizer) if args.tokenizer else None))
             print(f"distill teacher: {preset}, random weights, in {time.perf_counter() - t0:.0f}s", flush=True)
         report = run_cases(todo, args)
-    write_report(report, args.out, print_table)
+    write_report(report, args.out, page_tables(gpu_tables, args.out.name))
     print(f"wrote {args.out} in {report['seconds']:.0f}s")
     return 0 if all(r["ok"] for r in report["cases"]) else 1
 

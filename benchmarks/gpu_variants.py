@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from benchmarks.harness import synthetic_data
+
 VARIANTS = ("base", "patch_dropout", "compile", "distill")
 TEACHER_PRESET = "git-rsclip-large"
 # (preset, profile, activation checkpointing) of the case the non-base variants run on
@@ -54,25 +56,12 @@ def write_teacher(out: Path, preset: str = TEACHER_PRESET, tokenizer_dir: Path |
 
     if (out / "model.safetensors").is_file():
         return out
-    if tokenizer_dir is None:
-        tokenizer_dir = _small_tokenizer(out.parent / "teacher_tokenizer")
+    if tokenizer_dir is None:   # a few synthetic captions' tokenizer
+        tokenizer_dir = synthetic_data(out.parent, num_train=64, num_val=1, shard_size=64, image_size=32)["tokenizer"]
     tokenizer = load_tokenizer(tokenizer_dir)
     bundle = preset_bundle(preset, tokenizer, seed=1, own_vocabulary=True)
     out.mkdir(parents=True, exist_ok=True)
     save_pretrained(bundle.model, tokenizer, out)
-    return out
-
-
-def _small_tokenizer(out: Path) -> Path:
-    from rsclip_ds.data.synthetic import make_synthetic
-    from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
-
-    if (out / "tokenizer.json").is_file():
-        return out
-    root = out.parent / "teacher_captions"
-    index = make_synthetic(root, num_train=64, num_val=1, shard_size=64, image_size=32, seed=0, progress=False)
-    train_tokenizer(iter_captions([str(root / s["url"]) for s in index["train"]]), out, vocab_size=500,
-                    max_length=64)
     return out
 
 

@@ -1,7 +1,7 @@
 """What every benchmark script repeats, so that each script holds only what it measures:
-arguments (--out, --tiny, --threads, the launcher's --local_rank), the process group, the
-environment record, reductions over ranks, the rank-0 report (JSON + PNG + tables), synthetic
-shards, and sub-runs in fresh processes (one plain process, or a `deepspeed` launch of N ranks).
+arguments (--out, --threads, the launcher's --local_rank), the process group, the environment
+record, the max over ranks, the rank-0 report (JSON + PNG + the results page's tables), synthetic
+shards, and a sub-run in a fresh process.
 
 The scripts run as modules from the repository root (`python -m benchmarks.memory.per_rank`,
 `deepspeed --module benchmarks.comms.traffic`), so they import this as `benchmarks.harness` and
@@ -34,14 +34,12 @@ ROOT = HERE.parent
 
 # --------------------------------------------------------------------------- arguments
 
-def base_parser(doc: str, *, tiny: bool = False, out: Path | None = None) -> argparse.ArgumentParser:
-    """--out (required unless `out` gives a default), --tiny (when the script has a tiny variant),
-    --threads and the --local_rank the deepspeed launcher appends."""
+def base_parser(doc: str, *, out: Path | None = None) -> argparse.ArgumentParser:
+    """--out (required unless `out` gives a default), --threads and the --local_rank the deepspeed
+    launcher appends."""
     parser = argparse.ArgumentParser(description=doc.strip().split("\n")[0])
     parser.add_argument("--out", type=Path, required=out is None, default=out,
                         help="JSON path; a PNG goes beside it where the script draws one")
-    if tiny:
-        parser.add_argument("--tiny", action="store_true", help="seconds-long variant (used by a test)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per rank (2 ranks on 2 cores: 1, no oversubscription)")
     parser.add_argument("--local_rank", type=int, default=0, help="set by the deepspeed launcher")
@@ -68,25 +66,6 @@ def process_group(threads: int) -> Iterator[DistInfo]:
         destroy_distributed()
 
 
-@contextmanager
-def shared_run_dir() -> Iterator[Path]:
-    """One temporary output_dir for every rank of the group (rank 0 makes it and removes it
-    after the last rank is done): a run's checkpoints live in one folder all ranks share, and
-    the Trainer's start-up check refuses per-rank folders (rsclip_ds/runtime/storage.py)."""
-    import tempfile
-
-    from rsclip_ds.runtime.storage import decide_on_rank0
-
-    path = Path(decide_on_rank0(lambda: tempfile.mkdtemp(prefix="rsclip_bench_")))
-    try:
-        yield path
-    finally:
-        if dist.is_initialized():
-            dist.barrier()
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def rank0_print(rank: int) -> Callable[[str], None]:
     """print on rank 0 (rich, no markup: paths and brackets print as they are), nothing elsewhere."""
     if rank != 0:
@@ -109,28 +88,15 @@ def environment(threads: int, **extra) -> dict:
     return {**env, **extra}
 
 
-def _over_ranks(values: list[float], op) -> list[float]:
+def max_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise max over ranks (every rank gets it)."""
     # on the accelerator: a GPU run's process group is NCCL only, which has no CPU tensors
     from deepspeed.accelerator import get_accelerator
 
     t = torch.tensor(values, dtype=torch.float64, device=get_accelerator().current_device_name())
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=op)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.cpu().tolist()
-
-
-def max_over_ranks(values: list[float]) -> list[float]:
-    """Element-wise max over ranks (every rank gets it)."""
-    return _over_ranks(values, dist.ReduceOp.MAX)
-
-
-def sum_over_ranks(values: list[float]) -> list[float]:
-    return _over_ranks(values, dist.ReduceOp.SUM)
-
-
-def mean_over_ranks(values: list[float]) -> list[float]:
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return [v / world for v in sum_over_ranks(values)]
 
 
 # --------------------------------------------------------------------------- report
@@ -144,6 +110,13 @@ def write_report(report: dict, out: Path, print_tables: Callable[[dict], None],
         report["png"] = plot(report, out.with_suffix(".png"))
     out.write_text(json.dumps(report, indent=2) + "\n")
     print_tables(report)
+
+
+def page_tables(tables: Callable[[dict[str, dict]], list[str]], name: str) -> Callable[[dict], None]:
+    """The print_tables of write_report / finish: the tables the results page shows for a file called
+    `name` (its section's function in benchmarks/results_tables/), as markdown, so that the terminal
+    and docs/results/ say the same."""
+    return lambda report: print("\n".join(tables({name: report})))
 
 
 def finish(report: dict, out: Path, rank: int, print_tables: Callable[[dict], None],
@@ -177,68 +150,44 @@ def save_figure(plt, fig, path: Path) -> str:
 
 # --------------------------------------------------------------------------- data
 
-def synthetic_data(root: Path, rank: int, *, num_train: int, num_val: int, shard_size: int,
-                   image_size: int = 64, eval_layout: bool = False) -> dict:
-    """Synthetic shards of `image_size` px JPEGs and a tokenizer trained on their captions,
-    written by rank 0 once per size (reused when present); the other ranks wait.
-    -> {"train_pattern", "val_urls", "tokenizer"}; with ``eval_layout`` also the val split as
-    the evaluation sets read it (make_synthetic's eval layout): "zero_shot_dir", "retrieval_json"."""
+def synthetic_data(root: Path, *, num_train: int, num_val: int, shard_size: int, image_size: int = 64) -> dict:
+    """Synthetic shards of `image_size` px JPEGs and a tokenizer trained on their captions, written
+    once per size (reused when present) -> {"train_pattern", "val_urls", "tokenizer"}."""
     from rsclip_ds.data.synthetic import make_synthetic
     from rsclip_ds.data.tokenizer import iter_captions, train_tokenizer
 
-    px = "" if image_size == 64 else f"_{image_size}px"   # 64 px: the folders the other benchmarks wrote
-    folder = Path(root) / f"synthetic_{num_train}_{num_val}_{shard_size}{px}{'_eval' if eval_layout else ''}"
-    if rank == 0 and not (folder / "tokenizer" / "tokenizer.json").is_file():
+    px = "" if image_size == 64 else f"_{image_size}px"   # 64 px: the folders earlier versions wrote
+    folder = Path(root) / f"synthetic_{num_train}_{num_val}_{shard_size}{px}"
+    if not (folder / "tokenizer" / "tokenizer.json").is_file():
         index = make_synthetic(folder, num_train=num_train, num_val=num_val, shard_size=shard_size,
-                               image_size=image_size, seed=0, progress=False, eval_layout=eval_layout)
+                               image_size=image_size, seed=0, progress=False)
         urls = [str(folder / s["url"]) for s in index["train"]]
         train_tokenizer(iter_captions(urls), folder / "tokenizer", vocab_size=500, max_length=64)
-    if dist.is_initialized():
-        dist.barrier()
     n_train, n_val = -(-num_train // shard_size), -(-num_val // shard_size)
-    data = {"train_pattern": str(folder / f"train-{{000000..{n_train - 1:06d}}}.tar"),
+    return {"train_pattern": str(folder / f"train-{{000000..{n_train - 1:06d}}}.tar"),
             "val_urls": [str(folder / f"val-{i:06d}.tar") for i in range(n_val)],
             "tokenizer": str(folder / "tokenizer")}
-    if eval_layout:
-        layout = json.loads((folder / "index.json").read_text())["eval"]
-        data.update(zero_shot_dir=str(folder / layout["classes_dir"]), retrieval_json=str(folder / layout["captions_json"]))
-    return data
 
 
 # --------------------------------------------------------------------------- sub-runs
 
-def run_script(module: str, args: list[str], result: Path, timeout: float, *, ranks: int | None = None,
-               env: dict[str, str | None] | None = None) -> dict:
+def run_script(module: str, args: list[str], result: Path, timeout: float) -> dict:
     """`python -m module args` in a fresh process with no launcher variables (it makes its own
-    one-rank group), or with `ranks`: `deepspeed --num_gpus ranks --module module args` on a free
-    port (this checkout on PYTHONPATH, so any working directory does) ->
-    the JSON it wrote to `result`, or {"ok": False, "error": ...} when it failed, wrote nothing
-    or ran out of time. `env` sets variables of the launched processes (None: unset). A launch
-    adds "leaked_shm": DeepSpeed's CPU all-reduce buffers of its port left in /dev/shm."""
+    one-rank group), this checkout on PYTHONPATH -> the JSON it wrote to `result`, or
+    {"ok": False, "error": ...} when it failed, wrote nothing or ran out of time."""
     environ = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                    HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_PORT"):
         environ.pop(key, None)
-    for key, value in (env or {}).items():
-        if value is None:
-            environ.pop(key, None)
-        else:
-            environ[key] = value
-    port = free_port()
-    launcher = [sys.executable, "-m"] if ranks is None else \
-        deepspeed_cmd() + ["--num_gpus", str(ranks), "--master_port", str(port), "--module"]
     try:
-        proc = subprocess.run(launcher + [module, *args], env=environ, capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-m", module, *args], env=environ, capture_output=True, text=True,
                               timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"timed out after {timeout:.0f}s"}
     if proc.returncode != 0 or not result.is_file():
         return {"ok": False, "error": f"exit {proc.returncode}",
                 "output_tail": (proc.stdout + proc.stderr).strip().splitlines()[-15:]}
-    out = json.loads(result.read_text())
-    if ranks is not None:
-        out["leaked_shm"] = sorted(str(p) for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
-    return out
+    return json.loads(result.read_text())
 
 
 def deepspeed_cmd() -> list[str]:

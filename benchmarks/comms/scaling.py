@@ -27,13 +27,13 @@ the planner recommends.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.harness import base_parser
+from benchmarks.harness import base_parser, page_tables, pyplot, save_figure, write_report
+from benchmarks.results_tables.comms import scaling as scaling_tables
 from rsclip_ds.planning import comms
 from rsclip_ds.planning.memory import preset_spec
 from rsclip_ds.planning.planner import Budget, Hardware, plan, recommend
@@ -124,52 +124,13 @@ def a100_check(args) -> list[dict]:
     return out
 
 
-def markdown(report: dict) -> str:
-    """The table for docs/results/comms.md: minutes per epoch per profile, one row per (network, nodes);
-    the last columns: zero3's communication share, and the best profile with perfect overlap
-    (step = max(compute, comm), from the same rows)."""
-    rows, profiles = report["rows"], report["config"]["profiles"]
-    lines = ["| network | nodes x 8 | micro x k | " + " | ".join(f"`{p}`" for p in profiles)
-             + " | comm share (zero3) | best, perfect overlap |",
-             "|---|---|---|" + "---|" * len(profiles) + "---|---|"]
-    for network in report["config"]["networks"]:
-        for nodes in report["config"]["nodes"]:
-            mine = [next(x for x in rows if (x["network"], x["nodes"], x["profile"]) == (network, nodes, p))
-                    for p in profiles]
-            fit = [r for r in mine if r["fits"]]
-            shape = sorted({f"{r['micro']}x{r['accumulation']}{' ckpt' if r['checkpointing'] else ''}" for r in fit})
-            cells = [f"{r['epoch_h'] * 60:.3g} min" if r["fits"] else "no fit" for r in mine]
-            z3 = next((r for r in fit if r["profile"] == "zero3"), None)
-            share = f"{z3['comm_s'] / z3['step_s']:.0%}" if z3 else "-"
-            ideal = min(fit, key=lambda r: max(r["compute_s"], r["comm_s"]))
-            ideal_min = ideal["steps_per_epoch"] * max(ideal["compute_s"], ideal["comm_s"]) / 60
-            lines.append(f"| {network} | {nodes} | {', '.join(shape)} | " + " | ".join(cells)
-                         + f" | {share} | {ideal_min:.3g} min (`{ideal['profile']}`) |")
-    return "\n".join(lines)
-
-
-def a100_markdown(rows: list[dict]) -> str:
-    lines = ["| model | samples/GPU | link | overlap | 1 GPU: profile, micro x k, step s | 4 GPUs: profile, micro x k, "
-             "step s (comm s) | speed-up |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        o, f = r["one"], r["four"]
-        lines.append(f"| {r['model']} | {r['per_gpu']} | {r['link']} | {r['overlap']:g} | `{o['profile']}` "
-                     f"{o['micro']}x{o['accumulation']}{' ckpt' if o['checkpointing'] else ''}, {o['step_s']:.3f} | "
-                     f"`{f['profile']}` {f['micro']}x{f['accumulation']}{' ckpt' if f['checkpointing'] else ''}, "
-                     f"{f['step_s']:.3f} ({f['comm_s']:.3f}) | {r['speedup']:.2f}x |")
-    return "\n".join(lines)
-
-
-def plot(report: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+def plot(report: dict, path: Path) -> str | None:
+    plt = pyplot()
+    if plt is None:
+        return None
     networks = report["config"]["networks"]
-    fig, axes = plt.subplots(1, len(networks), figsize=(6 * len(networks), 4.5), sharey=True)
-    for ax, network in zip(axes if len(networks) > 1 else [axes], networks):
+    fig, axes = plt.subplots(1, len(networks), figsize=(6 * len(networks), 4.5), sharey=True, squeeze=False)
+    for ax, network in zip(axes[0], networks):
         for p in report["config"]["profiles"]:
             pts = [(r["gpus"], r["epoch_h"]) for r in report["rows"] if r["network"] == network
                    and r["profile"] == p and r["fits"]]
@@ -179,10 +140,9 @@ def plot(report: dict, path: Path) -> None:
         ax.plot(gpus, [first["epoch_h"] * first["gpus"] / g for g in gpus], "k:", label="linear")
         ax.set(xscale="log", yscale="log", xlabel="H200 GPUs", title=NETWORKS[network][0])
         ax.grid(True, which="both", alpha=0.3)
-    (axes[0] if len(networks) > 1 else axes).set_ylabel("hours per Git-10M epoch (git-rsclip-large)")
-    axes[-1].legend() if len(networks) > 1 else axes.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    axes[0][0].set_ylabel("hours per Git-10M epoch (git-rsclip-large)")
+    axes[0][-1].legend()
+    return save_figure(plt, fig, path)
 
 
 def parse_args(argv):
@@ -215,14 +175,8 @@ def main(argv=None) -> int:
     report["config"]["out"] = str(args.out)
     if args.a100:
         report["a100"] = a100_check(args)
-        report["a100_markdown"] = a100_markdown(report["a100"])
-    report["markdown"] = markdown(report)
     report["seconds"] = time.perf_counter() - t0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    plot(report, args.out.with_suffix(".png"))
-    print(report["markdown"])
-    print(report.get("a100_markdown", ""))
+    write_report(report, args.out, page_tables(scaling_tables, "scaling.json"), plot)
     print(f"wrote {args.out} in {report['seconds']:.0f}s")
     return 0
 

@@ -44,7 +44,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import base_parser, environment, finish, max_over_ranks, process_group, rank0_print
+from benchmarks.harness import base_parser, environment, finish, max_over_ranks, page_tables, process_group, rank0_print
+from benchmarks.results_tables.comms import comms_tables
 from rsclip_ds.planning import comms
 from rsclip_ds.config import load_config
 from rsclip_ds.engine import engine_dtype
@@ -249,27 +250,6 @@ def compare(name, prof, k, mode, engine_traffic, loss_part, logged, calls, seen,
 
 # --------------------------------------------------------------------------- report
 
-def print_table(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    cfg, mib = report["config"], 2**20
-    table = Table(title=f"{cfg['parameters'] / 1e6:.2f}M parameters, {cfg['precision']}, micro {cfg['micro']}, "
-                        f"{report['environment']['world_size']} ranks: MiB per optimizer step per rank "
-                        f"(message bytes, largest rank)")
-    for col in ("profile", "k", "mode", "engine pred", "logged", "ratio", "+loss pred", "c10d seen", "ratio",
-                "ring sent", "pass"):
-        table.add_column(col, justify="right")
-    for r in report["rows"]:
-        e, c = r["engine"], r["c10d"]
-        table.add_row(r["profile"], str(r["accumulation"]), r["mode"], f"{e['predicted'] / mib:.2f}",
-                      f"{e['logged'] / mib:.2f}", f"{e['ratio']:.4f}", f"{c['predicted'] / mib:.2f}",
-                      f"{c['seen'] / mib:.2f}", f"{c['ratio']:.4f}",
-                      f"{sum(r['ring_bytes_per_rank'].values()) / mib:.2f}",
-                      "PASS" if e["pass"] and c["pass"] else "FAIL")
-    Console(width=200).print(table)
-
-
 def parse_args(argv):
     parser = base_parser(__doc__)
     parser.add_argument("--profiles", nargs="*", default=None,
@@ -305,7 +285,7 @@ def main(argv=None) -> int:
                   "environment": environment(args.threads), "rows": rows,
                   "seconds": time.perf_counter() - t0}
         report["all_pass"] = all(r["engine"]["pass"] and r["c10d"]["pass"] for r in rows)
-        finish(report, args.out, info.rank, print_table)
+        finish(report, args.out, info.rank, page_tables(comms_tables, args.out.name))
         rank0_print(info.rank)(f"wrote {args.out} in {report['seconds']:.0f}s; all within {TOL:.0%}: "
                                f"{report['all_pass']}")
     return 0

@@ -60,7 +60,8 @@ import PIL
 import torch
 from PIL import Image
 
-from benchmarks.harness import ROOT, base_parser, environment, pyplot, save_figure, write_report
+from benchmarks.harness import ROOT, base_parser, environment, page_tables, pyplot, save_figure, write_report
+from benchmarks.results_tables.data import loader as loader_tables
 
 TARGET = 1.0                                                 # loader / bare_pil, per CPU-second
 GPU_RATES = {"git-rsclip-base": (224, 2000), "git-rsclip-large": (256, 700)}   # (input px, samples/s per H200)
@@ -355,42 +356,6 @@ def run(args) -> dict:
             "results": rows, "cores_per_gpu": cores_per_gpu(rows), "breakdown": split}
 
 
-def print_table(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=170)
-    table = Table(title=f"loader vs bare loops, samples per CPU-second ({report['setup']['source_px']} px JPEG), "
-                        f"ratios paired per repeat: median (min..max); target loader/bare_pil >= {report['target_ratio']}")
-    for col in ("size", "workers", "loader", "loader_pil", "bare_pil", "bare_fast", "loader/bare_pil",
-                "loader/bare_fast", "loader_pil/bare_pil", "main share", "pass"):
-        table.add_column(col, justify="right")
-    fmt = (lambda r: f"{r['median']:.2f} ({r['min']:.2f}..{r['max']:.2f})")
-    for r in report["results"]:
-        med = {k: r[k]["per_cpu_second_summary"]["median"] for k in LOOPS}
-        table.add_row(str(r["image_size"]), str(r["workers"]), f"{med['loader']:.0f}", f"{med['loader_pil']:.0f}",
-                      f"{med['bare_pil']:.0f}", f"{med['bare_fast']:.0f}", fmt(r["ratios"]["loader/bare_pil"]),
-                      fmt(r["ratios"]["loader/bare_fast"]), fmt(r["ratios"]["loader_pil/bare_pil"]),
-                      f"{statistics.median(r['loader']['main_cpu_share']):.0%}", str(r["pass"]))
-    console.print(table)
-    for preset, c in report["cores_per_gpu"].items():
-        console.print(f"{preset}: {c['samples_per_s_per_gpu']} samples/s per GPU at {c['image_size']} px -> "
-                      f"{c['cores_per_gpu']:.2f} cores per GPU ({c['cores_per_gpu_range'][0]:.2f}..."
-                      f"{c['cores_per_gpu_range'][1]:.2f}) at {c['loader_per_core']:.0f} samples per CPU-second "
-                      f"(PIL's decode: {c['cores_per_gpu_pil_loader']:.2f})")
-    for size, b in report["breakdown"].items():
-        t = Table(title=f"where a sample's CPU time goes, {size} px ({b['pixel_dtype']} pixels, "
-                        f"{b['pixel_bytes_per_sample'] / 1024:.0f} KiB a sample), microseconds")
-        t.add_column("stage")
-        t.add_column("us / sample", justify="right")
-        for stage, us in b["us_per_sample"].items():
-            t.add_row(stage, f"{us:.0f}")
-        for key in ("loader_us_per_sample_1_worker", "hand-over + main process (loader minus stream)"):
-            if b.get(key) is not None:
-                t.add_row(key, f"{b[key]:.0f}")
-        console.print(t)
-
-
 def plot(report: dict, path: Path) -> str | None:
     plt = pyplot()
     if plt is None:
@@ -430,7 +395,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    write_report(run(args), args.out, print_table, plot)
+    write_report(run(args), args.out, page_tables(loader_tables, "loader.json"), plot)
     return 0
 
 

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import ROOT, base_parser, deepspeed_cmd, free_port, synthetic_data, write_report
+from benchmarks.results_tables.memory import checkpoint_bytes
 
 
 def kind(path: Path) -> str:
@@ -57,14 +58,11 @@ def run(tree: Path, data: dict, ranks: int, steps: int, out: Path) -> dict:
 
 
 def print_tables(report: dict) -> None:
+    """The results page's table of the runs that worked, then the output of each that failed."""
+    print("\n".join(checkpoint_bytes({"checkpoint_bytes.json": report})))
     for r in report["runs"]:
         if not r["ok"]:
             print(f"{r['ranks']} ranks: failed\n{r['output_tail']}")
-            continue
-        b = r["bytes"]
-        print(f"{r['ranks']} ranks, {r['steps']} steps: model-state files {b.get('deepspeed_model_states', 0):>9,} B "
-              f"({r['model_states_file_bytes'][0]:,} each), optimizer shards {b.get('deepspeed_optim_states', 0):>10,} B, "
-              f"rsclip_ds files {b.get('rsclip_ds', 0):>8,} B; overhead per rank {r['overhead_per_rank']:,.0f} B")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -79,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    data = synthetic_data(args.data.resolve(), 0, num_train=1024, num_val=64, shard_size=128)
+    data = synthetic_data(args.data.resolve(), num_train=1024, num_val=64, shard_size=128)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in args.ranks:

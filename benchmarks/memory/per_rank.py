@@ -86,10 +86,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import (base_parser, environment, finish, max_over_ranks, process_group, pyplot, rank0_print,
-                     save_figure)
+from benchmarks.harness import (base_parser, environment, finish, max_over_ranks, page_tables, process_group, pyplot,
+                                rank0_print, save_figure)
 from benchmarks.memory.counting import measured_step
 from benchmarks.memory.peak import measured_peak, resident_bytes, tune_host_allocator
+from benchmarks.results_tables.memory import memory_finetune, memory_peak
 from rsclip_ds.planning import memory
 from rsclip_ds.config import load_config
 from rsclip_ds.runtime.distributed import local_world_size_from_env
@@ -271,50 +272,6 @@ def mode_label(config: dict) -> str:
     return "".join(f" {item}" for item in config.get("set", []))
 
 
-def print_table(report: dict) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    mib = 2**20
-    cfg = report["config"]
-    table = Table(title=escape(f"{cfg['preset']} {cfg['precision']}{mode_label(cfg)}, "
-                               f"{report['environment']['world_size']} ranks: per rank, MiB (max over ranks)"))
-    for col in ("profile", "gpu pred", "gpu meas", "ratio", "offl pred", "offl meas", "ratio",
-                "states", "act pred", "act meas", "ratio", "act", "persist", "step ms"):
-        table.add_column(col, justify="right")
-    for r in report["profiles"]:
-        g, o, a = r["gpu"], r["offload"], r["activations"]
-        table.add_row(r["profile"], f"{g['predicted'] / mib:.3f}", f"{g['measured'] / mib:.3f}",
-                      f"{g['ratio']:.3f}", f"{o['predicted'] / mib:.3f}", f"{o['measured'] / mib:.3f}",
-                      f"{o['ratio']:.3f}" + ("" if o["comparable"] else "*"),
-                      "PASS" if r["model_states_pass"] else "FAIL",
-                      f"{a['predicted'] / mib:.3f}", f"{a['measured'] / mib:.3f}", f"{a['ratio']:.3f}",
-                      "PASS" if r["activations_pass"] else "FAIL",
-                      f"{r['persistent_gathered_bytes'] / mib:.3f}", f"{r['step_seconds'] * 1e3:.1f}")
-    Console(width=200).print(table)
-
-
-def print_peak_table(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    gib, cfg = 2**30, report["config"]
-    table = Table(title=f"{cfg['preset']} {cfg['precision']}, micro {cfg['micro']}, "
-                        f"{report['environment']['world_size']} ranks: peak per rank, GiB (max over ranks)")
-    for col in ("profile", "accumulation", "predicted", "measured", "ratio", "", "states", "fwd/bwd", "step",
-                "host", "peak in"):
-        table.add_column(col, justify="right")
-    for r in report["profiles"]:
-        for p in r["peaks"]:
-            t = p["terms"]
-            table.add_row(r["profile"], str(p["accumulation"]), f"{p['predicted'] / gib:.3f}",
-                          f"{p['measured'] / gib:.3f}", f"{p['ratio']:.3f}", "PASS" if p["pass"] else "FAIL",
-                          f"{t['states'] / gib:.3f}", f"{t['train'] / gib:.3f}", f"{t['step'] / gib:.3f}",
-                          f"{(t['host_states'] + t['host_step']) / gib:.3f}", t["phase"])
-    Console(width=160).print(table)
-
-
 def plot_peak_report(report: dict, path: Path) -> str | None:
     plt = pyplot()
     if plt is None:
@@ -390,7 +347,7 @@ def combine(paths: list[Path], out: Path) -> dict:
     for row in report["profiles"]:
         row["peaks"].sort(key=lambda p: p["accumulation"])
     report["all_pass"] = all(p["pass"] for row in report["profiles"] for p in row["peaks"])
-    finish(report, out, 0, print_peak_table, plot_peak_report)
+    finish(report, out, 0, page_tables(memory_peak, "memory_peak_base.json"), plot_peak_report)
     return report
 
 
@@ -476,7 +433,7 @@ def main(argv=None) -> int:
                   "environment": environment(args.threads), "compared": COMPARED,
                   "profiles": rows, "seconds": time.perf_counter() - t0}
         report["all_pass"] = all(r["model_states_pass"] and r["activations_pass"] for r in rows)
-        finish(report, args.out, info.rank, print_table, plot)
+        finish(report, args.out, info.rank, page_tables(memory_finetune, args.out.name), plot)
         rank0_print(info.rank)(f"wrote {args.out} in {report['seconds']:.0f}s; all within target: {report['all_pass']}")
     return 0
 
@@ -498,7 +455,7 @@ def main_peaks(args) -> int:
                   "environment": environment(args.threads), "compared": {"peaks": COMPARED["peaks"]},
                   "profiles": rows, "seconds": time.perf_counter() - t0}
         report["all_pass"] = all(p["pass"] for r in rows for p in r["peaks"])
-        finish(report, args.out, info.rank, print_peak_table, plot_peak_report)
+        finish(report, args.out, info.rank, page_tables(memory_peak, "memory_peak_base.json"), plot_peak_report)
         rank0_print(info.rank)(f"wrote {args.out} in {report['seconds']:.0f}s; all within target: {report['all_pass']}")
     return 0
 

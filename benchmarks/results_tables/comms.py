@@ -16,7 +16,7 @@ C10D = ("c10d: the torch profiler's bytes (the engine's and the loss's collectiv
         "(`c10d` in the JSON); ring: what the model says a rank sends with ring algorithms (engine + loss)")
 
 
-def _comms_table(files: dict[str, dict]) -> list[str]:
+def comms_tables(files: dict[str, dict]) -> list[str]:
     """One row per (profile, k, loop), a column triple per file (its world size): engine bytes
     predicted / logged (ratio), the c10d ratio (engine + loss) and the ring bytes."""
     keyed = {n: {(r["profile"], r["accumulation"], r["mode"]): r for r in rep["rows"]} for n, rep in files.items()}
@@ -44,7 +44,7 @@ def comms(files: dict) -> list[str]:
     c = next(iter(plain.values()))["config"]
     out = [f"Per optimizer step and rank (messages, DeepSpeed's comms logger); {c['precision']}, micro {c['micro']}, "
            f"width {c['hidden']} ({c['parameters']:,} parameters); tolerance {pct(c['tolerance'])}; {C10D}:", ""]
-    out += _comms_table(plain)
+    out += comms_tables(plain)
     base = {(r["profile"], r["accumulation"], r["mode"]): r for r in files["comms_w2.json"]["rows"]}
     for name, rep in files.items():
         if name in plain:
@@ -67,7 +67,7 @@ def comms_hpz(files: dict) -> list[str]:
     c = rep["config"]
     out = [f"{c['precision']}, micro {c['micro']}, width {c['hidden']} ({c['parameters']:,} parameters); columns as in "
            "[comms](#comms):", ""]
-    return out + _comms_table(files)
+    return out + comms_tables(files)
 
 
 def scaling(files: dict) -> list[str]:

@@ -99,7 +99,7 @@ def checkpoint_bytes(files: dict) -> list[str]:
     b = (lambda r, kind: f"{r['bytes'][kind]:,}")
     rows = [[f"`{name}`", r["ranks"], f"{r['model_states_file_bytes'][0]:,}", b(r, "deepspeed_model_states"),
              b(r, "deepspeed_optim_states"), b(r, "rsclip_ds"), f"{r['total']:,}", sig(r["overhead_per_rank"])]
-            for name, rep in files.items() for r in rep["runs"]]
+            for name, rep in files.items() for r in rep["runs"] if r.get("ok", True)]
     steps = next(iter(files.values()))["config"]["steps"]    # ZeRO-3 and tiny: the script's fixed setting
     head = f"ZeRO-3, tiny, {steps} steps, one checkpoint; bytes:"
     return [head, ""] + table(["file", "ranks", "model-state file per rank", "DeepSpeed model states (all ranks)",

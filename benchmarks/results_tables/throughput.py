@@ -41,7 +41,7 @@ def throughput(files: dict) -> list[str]:
 
 
 def openclip_tables(rep: dict) -> list[str]:
-    """The open_clip comparison (compare.py --open-clip, gpu.py --open-clip): a row per case, the
+    """The open_clip comparison (throughput/openclip.py, gpu.py --open-clip): a row per case, the
     paired ratios ("rsclip_ds/... / open_clip/...") beside the rsclip_ds case they belong to."""
     c, m, s = rep["config"], rep["models"], rep["summary"]
     out = [f"Shape {c['shape']} ({m['rsclip_ds_parameters']:,} parameters in rsclip_ds, "
@@ -52,13 +52,15 @@ def openclip_tables(rep: dict) -> list[str]:
         ours, theirs = key.split(" / ")
         paired.setdefault(ours, []).append(f"{theirs.removeprefix('open_clip/')}: {spread(r, fix)}")
     pss = lambda r: fix(r["peak_pss_gb"]["median"], 2) if r.get("peak_pss_gb", {}).get("median") else "-"
+    ran = {case: r for case, r in s["cases"].items() if r["runs"]}
     out += table(["case", "samples/s median (min..max)", "peak PSS GB (process tree)", "start-up s",
                   "minor faults / step / rank", "sys ms / step",
                   "samples/s over open_clip's, paired per repeat: median (min..max)"],
                  [[case, spread(r["samples_per_s"], lambda x: sig(x, 4)), pss(r), sig(r["startup_s"]["median"]),
                    sig(r["minflt_per_step_per_rank"]["median"]), sig(r["sys_ms_per_step"]["median"]),
-                   "; ".join(paired.get(case, [])) or "-"] for case, r in s["cases"].items()])
-    foreign = max(r["foreign_cpu_share"]["max"] for r in s["cases"].values())
+                   "; ".join(paired.get(case, [])) or "-"] if case in ran else [case, "failed", *["-"] * 5]
+                  for case, r in s["cases"].items()])
+    foreign = max((r["foreign_cpu_share"]["max"] for r in ran.values()), default=0.0)
     return out + [f"Other processes took at most {pct(foreign, 1)} of the cores during a kept run "
                   "(`foreign_cpu_share`).", ""]
 

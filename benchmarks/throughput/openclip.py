@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import signal
 import statistics
@@ -124,7 +123,7 @@ def prepare(bench: Bench, venv: Path, data_root: Path) -> tuple[Inputs, dict]:
     if needed > bench.num_train:
         raise ValueError(f"{bench.steps} steps x {bench.micro} x {bench.ranks} ranks = {needed} samples > "
                          f"num_train {bench.num_train}: an epoch would end inside the timed steps")
-    data = synthetic_data(data_root.resolve(), 0, num_train=bench.num_train, num_val=16,
+    data = synthetic_data(data_root.resolve(), num_train=bench.num_train, num_val=16,
                           shard_size=bench.shard_size, image_size=shape.image)
     tokenizer = Path(data["tokenizer"])
     models = tokenizer.parent / "models" / shape.name

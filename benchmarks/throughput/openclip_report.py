@@ -1,63 +1,22 @@
-"""The tables and the figure of benchmarks/throughput/openclip.py, from its JSON report."""
+"""The tables and the figure of benchmarks/throughput/openclip.py, from its JSON report (the tables
+are the results page's: benchmarks/results_tables/throughput.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from benchmarks.harness import pyplot, save_figure
+from benchmarks.results_tables.throughput import openclip_tables
 
 COLORS = {"open_clip": "C3", "rsclip_ds": "C0"}
 
 
-def _mm(s: dict, fmt: str = ".1f") -> str:
-    return f"{s['min']:{fmt}}..{s['max']:{fmt}}"
-
-
 def print_tables(report: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    cfg, m = report["config"], report["models"]
-    console = Console(width=190)
-    console.print(f"model {cfg['shape']}: rsclip_ds {m['rsclip_ds_parameters']:,} parameters, open_clip "
-                  f"{m['open_clip_parameters']:,} ({m['open_clip_over_rsclip_ds']:.4f}x); open_clip env "
-                  f"{m['open_clip_env']}")
-    table = Table(title=f"global samples/s over steps {cfg['skip'] + 1}..{cfg['steps']}, from each tool's log "
-                        f"({cfg['ranks']} ranks, {cfg['device']}, micro {cfg['micro']}, {cfg['threads']} thread(s) "
-                        f"per rank, {cfg['repeats']} interleaved repeats, threads: {cfg.get('thread_env', 'OMP_NUM_THREADS=1')})")
-    table.add_column("case", no_wrap=True)
-    for col in ("median", "min..max", "line-arrival median", "peak PSS GB", "start-up s", "minor faults /step/rank",
-                "sys ms/step", "user ms/step", "whole run: faults /step/rank", "sys ms/step", "others' CPU share, max"):
-        table.add_column(col, justify="right")
-    for name, c in report["summary"]["cases"].items():
-        if not c["runs"]:
-            table.add_row(name, "failed", *[""] * 10)
-            continue
-        rate = c["samples_per_s"]
-        pss = c.get("peak_pss_gb")
-        table.add_row(name, f"{rate['median']:.2f}", _mm(rate), f"{c['samples_per_s_wall']['median']:.2f}",
-                      f"{pss['median']:.2f}" if pss and pss["median"] else "-",
-                      f"{c['startup_s']['median']:.1f}", f"{c['minflt_per_step_per_rank']['median']:.0f}",
-                      f"{c['sys_ms_per_step']['median']:.0f}", f"{c['user_ms_per_step']['median']:.0f}",
-                      f"{c['whole_run_minflt_per_step_per_rank']['median']:.0f}",
-                      f"{c['whole_run_sys_ms_per_step']['median']:.0f}", f"{100 * c['foreign_cpu_share']['max']:.0f}%")
-    console.print(table)
-    ratios = Table(title="rsclip_ds / open_clip, paired within each repeat (> 1: rsclip_ds faster)")
-    ratios.add_column("ratio", no_wrap=True)
-    for col in ("median", "min..max", "per repeat", "peak PSS ratio (median)"):
-        ratios.add_column(col, justify="right")
-    for name, r in report["summary"]["ratios"].items():
-        pss = r.get("peak_pss_ratio")
-        ratios.add_row(name, f"{r['median']:.3f}", _mm(r, ".3f"), " ".join(f"{x:.3f}" for x in r["per_repeat"]),
-                       f"{pss['median']:.2f}" if pss else "-")
-    console.print(ratios)
-    discarded = sum(len(r.get("discarded_attempts", [])) for r in report["runs"])
-    if discarded:
-        console.print(f"{discarded} attempt(s) run again: other processes took more than "
-                      f"{100 * cfg.get('max_foreign', 1):.0f}% of the cores during their timed steps")
+    """The results page's tables of the comparison, then each run that failed."""
+    print("\n".join(openclip_tables(report)))
     for r in report["runs"]:
         if not r["ok"]:
-            console.print(f"FAILED repeat {r['repeat']} {r['case']}: {r['error']} (log: {r['log']})", markup=False)
+            print(f"FAILED repeat {r['repeat']} {r['case']}: {r['error']} (log: {r['log']})")
 
 
 def plot(report: dict, path: Path) -> str | None:
