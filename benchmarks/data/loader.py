@@ -6,7 +6,7 @@
        repeat, the cores per GPU that feed base (2,000 samples/s) and large (700), and a split of
        a worker's time by stage.
     python -m benchmarks.data.loader --out /tmp/loader.json --num-images 64 --shard-size 16 --micro 8 \
-        --samples 64 --repeats 2 --image-sizes 224   # the tiny form tests/integration/test_benchmark_loader.py runs
+        --samples 64 --repeats 2 --image-sizes 224 --workers 1   # the tiny form tests/integration/test_benchmark_loader.py runs
 
 The images: --num-images synthetic land-cover scenes at --source-px (256: Git-10M's size) px,
 JPEG q90, in webdataset shards written by `rsclip_ds.data.shard_writer.make_shards`. Measured,
