@@ -1,4 +1,4 @@
-"""The faults page's chaos section (benchmarks/faults/chaos.py): each fault, the exit code, the first
+"""The faults page's chaos section (the removed benchmarks/faults/chaos.py): each fault, the exit code, the first
 message a user sees, the steps lost and the final loss after `--resume auto`."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Sections of docs/results/comms.md: benchmarks/comms/ (bytes per step against the model, hpZ, scaling on
-paper with the 4 x A100 check, heartbeat store traffic)."""
+paper with the 4 x A100 check) and the removed heartbeat script's JSON (store traffic)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Sections of docs/results/data.md: benchmarks/data/ (JPEG decoders on one core, the loader per CPU-second,
-make-shards, check-leakage)."""
+"""Sections of docs/results/data.md: benchmarks/data/loader.py (the loader per CPU-second) and the JSON
+of removed one-off scripts (JPEG decoders on one core, make-shards, check-leakage)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Sections of docs/results/faults.md: benchmarks/faults/ (the checkpoint manifest's checksum cost)."""
+"""Sections of docs/results/faults.md: the removed benchmarks/faults/checksum.py (the checkpoint manifest's
+checksum cost); its JSON stays, and `git show b0417e1:benchmarks/faults/checksum.py` restores the script."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Sections of docs/results/memory.md: benchmarks/memory/ (states and activations per rank, fine-tuning
-controls, the peak of a step, the model build, checkpoint bytes, per-step page faults)."""
+controls, the peak of a step, checkpoint bytes) and two removed one-off scripts' JSON (the model
+build, per-step page faults)."""
 
 from __future__ import annotations
 

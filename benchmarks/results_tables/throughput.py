@@ -1,5 +1,6 @@
-"""Sections of docs/results/throughput.md: benchmarks/throughput/ (our loop against a bare DeepSpeed loop and the
-Hugging Face Trainer; against open_clip's trainer) and benchmarks/gpu.py."""
+"""Sections of docs/results/throughput.md: benchmarks/throughput/ (against open_clip's trainer),
+benchmarks/gpu.py, and the JSON of removed one-off scripts (our loop against a bare DeepSpeed loop
+and the Hugging Face Trainer; patch dropout, distillation, compilation on CPU ranks)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Sections of docs/results/training.md: benchmarks/loss/ (loss memory and accumulation) and
+"""Sections of docs/results/training.md, from the JSON of scripts removed once their findings were
+recorded (render_results.RESTORE restores them): benchmarks/loss/ (loss memory and accumulation) and
 benchmarks/precision/ (bf16 gradient accumulation, bf16 master weights)."""
 
 from __future__ import annotations
