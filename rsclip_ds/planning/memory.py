@@ -411,8 +411,8 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
     states = model_state_bytes(psi, stage, profile.offload_optimizer, profile.offload_param, precision, G,
                                gpus_per_node, trainable=t, master=master, hpz=h["hpz"] or 1, shard=h["mics"])
     # forward/backward: activations, the loss, the batch
-    act = sum(activation_bytes_per_sample(_config(spec), precision, checkpointing, spec.finetune_json,
-                                          stage == 3 and spec.trainable < spec.params).values()) * micro
+    act = _activation_bytes(spec.config_json, precision, checkpointing, spec.finetune_json,
+                            stage == 3 and spec.trainable < spec.params) * micro
     per_rank = micro * accumulation_steps
     cols = G if negatives == "global" else 1
     if accumulation == "global" and accumulation_steps > 1:   # the loss runs alone over the cached features
@@ -495,6 +495,21 @@ def _torch_adam_offload(master: str) -> int:
 
 
 def _config(spec: ModelSpec):
+    """The spec's SiglipConfig, read-only: one object per config, as a plan asks for it in every
+    row (a SiglipConfig from JSON, and its JSON back for the probe's key, cost ~15 ms each: most
+    of `rsclip-ds plan`'s seconds before they were cached)."""
+    return _config_of(spec.config_json)
+
+
+@lru_cache(maxsize=None)
+def _config_of(config_json: str):
     from transformers import SiglipConfig
 
-    return SiglipConfig.from_dict(json.loads(spec.config_json))
+    return SiglipConfig.from_dict(json.loads(config_json))
+
+
+@lru_cache(maxsize=None)
+def _activation_bytes(config_json: str, precision: str, checkpointing: bool, finetune_json: str, zero3: bool) -> int:
+    """Both towers' activation_bytes_per_sample, summed, for a config given as its JSON."""
+    return sum(activation_bytes_per_sample(_config_of(config_json), precision, checkpointing, finetune_json,
+                                           zero3).values())
