@@ -272,8 +272,8 @@ def _run_values(run: RunConfig, sizes: BatchSizes, on_gpu: bool, offload: bool) 
 
 
 def auto_grad_accum_dtype(profile: Profile) -> str:
-    """What bf16.grad_accum_dtype='auto' means for a profile. The rule (docs/guides/precision.md, measured
-    by benchmarks/precision/grad_accum.py): fp32 where, at k = 8 micro-batches, it brings the gradient closer
+    """What bf16.grad_accum_dtype='auto' means for a profile. The rule (docs/guides/precision.md, measured:
+    docs/results/training.md#grad-accum): fp32 where, at k = 8 micro-batches, it brings the gradient closer
     to the fp32 big-batch one (it does at every stage) AND costs at most 2 bytes per trainable
     parameter / G of GPU memory and no bytes on the wire. ZeRO-2 and ZeRO-3 pass: their gradient
     partition becomes fp32 (and the step's fp32 copy of it goes away); with ZeRO-3's optimizer

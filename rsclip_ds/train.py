@@ -123,7 +123,7 @@ def train_step_global(engine, batches: list[dict], loss_fn: Callable, dtype: tor
         if i == len(batches) - 1:
             # the scale/bias gradient is the whole batch's: add it once, in the last micro-batch
             # (DeepSpeed 0.19.8's optimizer-offload paths drop a gradient a parameter got only in
-            # an earlier micro-batch of the step: tests/integration/test_benchmark_grad_accum.py)
+            # an earlier micro-batch of the step: tests/unit/test_global_accumulation.py)
             for param, leaf in ((logit_scale, scale), (logit_bias, bias)):
                 if leaf.grad is not None:
                     surrogate = surrogate + (param.float() * leaf.grad).sum()

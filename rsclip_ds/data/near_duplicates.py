@@ -11,7 +11,7 @@ but also pairs of distinct images whose low frequencies agree -- flat scenes (wa
 snow) with a feature in the same place; the fine hash sees the texture that tells them apart.
 On synthetic scenes the 64-bit hash alone paired about 100 times more distinct scenes than both
 together, which still find 95-100% of re-encoded, resized and brightened copies
-(docs/results/data.md#leakage, from benchmarks/data/leakage.py). JPEGs are decoded at a reduced
+(docs/results/data.md#leakage). JPEGs are decoded at a reduced
 DCT scale, at least 128 px a side (PIL's draft: about 2x faster at 256 px; the fine hash needs
 64 px): the hash then differs from a full decode's by about as much as a PNG copy's does.
 

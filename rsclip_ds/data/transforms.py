@@ -145,7 +145,7 @@ class ImageTransform:
             return cls(size, bands=bands)
         if cfg.jpeg_draft and _simplejpeg is None:
             log.warning("simplejpeg is not installed (a dependency of rsclip_ds): training decodes JPEGs with "
-                        "PIL, same pixels, 1.3-2x the time per image (benchmarks/data/decode.py). "
+                        "PIL, same pixels, 1.3-2x the time per image (docs/results/data.md#decode). "
                         "pip install 'simplejpeg>=1.9.0,<1.10'")
         return cls(size, crop=cfg.random_resized_crop, hflip=cfg.hflip, vflip=cfg.vflip, rot90=cfg.rot90,
                    fast=cfg.jpeg_draft)

@@ -431,7 +431,7 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
     awaiting = min(bucket, t) * g                        # gradients not yet copied into a bucket
     temporaries = ADAM_TEMPORARIES[device] * mg          # AdamW computes in the masters' dtype
     cast = 0 if g == mg else mg                          # 16-bit gradients cast to the masters' dtype
-    # bf16 with fp32 gradient accumulation (bf16.grad_accum_dtype; measured by benchmarks/precision/grad_accum.py,
+    # bf16 with fp32 gradient accumulation (bf16.grad_accum_dtype; measured: docs/results/training.md#grad-accum,
     # placement read from DeepSpeed): the partition is fp32 and the step's cast goes; ZeRO-1 runs
     # the BF16_Optimizer with a whole fp32 gradient copy per GPU; ZeRO-2 offload adds an fp32
     # partition on the GPU; ZeRO-3 offload keeps it on the CPU

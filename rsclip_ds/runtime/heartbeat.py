@@ -6,7 +6,7 @@ counters per interval, then writes its own counter together with its verdict (th
 silent). Every other rank reads that one key: rank 0's counter (a rank 0 that stopped beating is
 hung) and the verdict. Per interval that is about 3W store requests for the whole job (a set, a check and a get per rank); the
 first version had every rank read every other rank's key (2W² requests: 131k per interval at 256
-ranks, all into the one store; `benchmarks/comms/heartbeat.py` measures both).
+ranks, all into the one store; docs/results/comms.md#heartbeat has both, measured).
 
 A counter that has not moved for `timeout` s, or a store that stopped answering (rank 0 died),
 means a rank is gone: log which one and end this process with EXIT_PEER_LOST. This bounds the

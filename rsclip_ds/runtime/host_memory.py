@@ -6,7 +6,7 @@ tensors come from glibc's malloc, which serves every block above its mmap thresh
 allocates whole buffers per step (ZeRO-1/2's reduce buckets of `reduce_bucket_size` elements,
 the flattened gradient partition, all-gather outputs on gloo's worker thread), so each step the
 kernel zero-fills the same hundreds of MB again: measured on the 20M-parameter model of
-benchmarks/throughput/compare.py --open-clip, ZeRO-2 fp32, 2 ranks, 488 MB of minor page faults and
+benchmarks/throughput/openclip.py, ZeRO-2 fp32, 2 ranks, 488 MB of minor page faults and
 264 ms of kernel time per step per rank against 153 MB / 84 ms for DDP with torch's AdamW.
 `keep_freed_memory` sets malloc to serve everything from one heap (no mmap, one arena for all
 threads) and never trim it: 6-12 MB and ~60 ms per step. The resident set then stays at the

@@ -1,12 +1,13 @@
 """Run under the deepspeed launcher: distributed losses and 'global' accumulation against a
 single-process reference on the concatenated batch.
 
-    deepspeed --num_gpus W tests/integration/parity_worker.py --stage S --out result.json
+    deepspeed --num_gpus W tests/integration/parity_worker.py --stages 1 2 3 --out result.json
 
 The engine gets a client SGD optimizer with lr=1 and no clipping, so the parameter update *is*
 minus the (rank-averaged) gradient: comparing updates compares the gradient of every parameter,
 on any ZeRO stage, without reaching into DeepSpeed's partitions. Rank 0 computes the reference
-with plain torch on the whole batch and writes the worst differences to --out.
+with plain torch on the whole batch and writes the worst differences to --out, per stage (one
+launch runs every stage asked for: the launch, not the cases, is what costs seconds).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def worst(got: list[torch.Tensor], ref: list[torch.Tensor]) -> tuple[float, floa
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--stage", type=int, required=True)
+    parser.add_argument("--stages", type=int, nargs="+", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
@@ -109,17 +110,18 @@ def main() -> None:
         for (k, mode, neg) in ((1, "plain", "global"), (2, "global", "global"), (3, "global", "global"),
                                (1, "plain", "local"), (2, "plain", "global"))
     ] + [("siglip/global/global/k2/chunk3", "siglip", 2, "global", "global", 3, True)]
-    results = {}
-    for name, loss, k, mode, neg, chunk, should_match in cases:
-        value, update = distributed_update(config, loss, args.stage, rank, world, k, mode, neg, chunk)
-        if rank == 0:
-            ref_value, ref = reference_grads(config, loss, *global_batch(MICRO * k * world, config))
-            err, scale, ratio = worst(update, ref)
-            results[name] = {"loss": value, "ref_loss": ref_value, "max_abs_err": err,
-                             "max_abs_grad": scale, "ratio": ratio, "should_match": should_match}
+    results = {stage: {} for stage in args.stages}
+    for stage in args.stages:
+        for name, loss, k, mode, neg, chunk, should_match in cases:
+            value, update = distributed_update(config, loss, stage, rank, world, k, mode, neg, chunk)
+            if rank == 0:
+                ref_value, ref = reference_grads(config, loss, *global_batch(MICRO * k * world, config))
+                err, scale, ratio = worst(update, ref)
+                results[stage][name] = {"loss": value, "ref_loss": ref_value, "max_abs_err": err,
+                                        "max_abs_grad": scale, "ratio": ratio, "should_match": should_match}
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"stage": args.stage, "world": world, "cases": results}, f, indent=2)
+            json.dump({"world": world, "stages": results}, f, indent=2)
     dist.barrier()
 
 

@@ -1,6 +1,7 @@
 """Global-batch losses and 'global' accumulation equal one big single-process batch.
 
-For every ZeRO stage on 2 and 3 CPU ranks, `parity_worker.py` takes one optimizer step with a
+For every ZeRO stage on 2 and 3 CPU ranks (one launch per world size runs the three stages),
+`parity_worker.py` takes one optimizer step with a
 client SGD (lr 1, no clipping), so the update of every parameter is minus its rank-averaged
 gradient, and compares it with plain torch on the concatenated batch:
   - siglip (ring) and clip (gathered, local-loss form), k = 1;
@@ -23,17 +24,22 @@ pytestmark = pytest.mark.slow
 ATOL = 2e-5
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_distributed_loss_and_global_accumulation_match_the_big_batch(stage, world, tmp_path):
-    out = tmp_path / "parity.json"
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+def parity(request, tmp_path_factory) -> dict:
+    """{stage: {case: result}} of one launch on `world` ranks that runs ZeRO-1, 2 and 3."""
+    world, out = request.param, tmp_path_factory.mktemp("parity") / "parity.json"
     cmd = deepspeed_cmd() + ["--num_gpus", str(world), "--master_port", str(free_port()),
                              str(ROOT / "tests/integration/parity_worker.py"),
-                             "--stage", str(stage), "--out", str(out)]
+                             "--stages", "1", "2", "3", "--out", str(out)]
     run_checked(cmd)
     result = json.loads(out.read_text())
-    assert result["world"] == world and result["stage"] == stage
-    cases = result["cases"]
+    assert result["world"] == world
+    return result["stages"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_distributed_loss_and_global_accumulation_match_the_big_batch(parity, stage):
+    cases = parity[str(stage)]
     assert len(cases) == 11
     # the controls are there and flagged, so that the comparison below can fail
     assert sorted(n for n, c in cases.items() if not c["should_match"]) == [

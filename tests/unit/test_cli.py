@@ -20,10 +20,14 @@ def test_launcher_local_rank_is_accepted_anywhere():
     (["profile=zero9"], "unknown profile 'zero9'; available: zero1, zero2"),
     (["data.train_shards=/nonexistent/shard-{0..3}.tar"], "matches no file"),
     ([], "data.train_shards is not set"),
+    (["batch.micro_batch_size=0"], "batch.micro_batch_size: Input should be greater than or equal to 1"),
+    (["data.train_shards={shards}", "data.train_weights=[1,2]"],
+     "data.train_weights [1.0, 2.0] needs one non-negative weight per '::'-separated"),
 ])
-def test_train_rejects_bad_input_before_starting(sets, fragment, capsys, monkeypatch):
+def test_train_rejects_bad_input_before_starting(sets, fragment, capsys, monkeypatch, tiny_shards):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    argv = ["train"] + [a for s in sets for a in ("--set", s)]
+    shards = tiny_shards["train_pattern"]
+    argv = ["train"] + [a for s in sets for a in ("--set", s.replace("{shards}", shards))]
     assert main(argv) == 2
     assert fragment in capsys.readouterr().err
 

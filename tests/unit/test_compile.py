@@ -90,6 +90,7 @@ def _train(rank: int, world: int, out: str, tokenizer, compiled: bool) -> dict:
             "keys": keys[:3] + keys[-3:], "recompiles": recompiles.messages}
 
 
+@pytest.mark.slow   # ~20 s of capture and AOT tracing on 2 cores: not for the quick loop
 def test_compiled_losses_equal_eager_and_nothing_recompiles_after_step_1(tmp_path, tiny_tokenizer):
     """2 ranks, ZeRO-2, 'global' accumulation (a no-grad pass and a replay per micro-batch) with patch
     dropout 0.5 (the kept patches drawn eagerly: the replay gets the same masks) and activation

@@ -111,6 +111,7 @@ def _accumulation_buffer_on_rank(rank: int, world: int, out: str) -> dict:
                 "bytes": None if buffer is None else buffer.numel() * buffer.element_size()}
 
 
+@pytest.mark.slow   # 2 forked ranks, ~15 s: not for the quick loop
 def test_auto_accumulates_zero2_gradients_in_an_fp32_partition(tmp_path):
     """What the DeepSpeed config above does in the engine: ZeRO-2's gradient partition is fp32,
     4 bytes per trainable parameter / W (what planning/memory.py counts for fp32 accumulation)."""
