@@ -92,6 +92,7 @@ from benchmarks.memory.counting import measured_step
 from benchmarks.memory.peak import measured_peak, resident_bytes, tune_host_allocator
 from benchmarks.results_tables.memory import memory_finetune, memory_peak
 from rsclip_ds.planning import memory
+from rsclip_ds.planning.activations import activation_bytes_per_sample
 from rsclip_ds.config import load_config
 from rsclip_ds.runtime.distributed import local_world_size_from_env
 from rsclip_ds.engine import engine_dtype
@@ -156,8 +157,8 @@ def run_profile(name: str, args, on_gpu: bool) -> dict:
     states = memory.model_state_bytes(spec.params, prof.stage, prof.offload_optimizer, prof.offload_param,
                                       args.precision, world, per_node, trainable=spec.trainable,
                                       master=run.bf16.master_weights)
-    act_pred = sum(memory.activation_bytes_per_sample(config, args.precision, checkpointing, spec.finetune_json,
-                                                      zero3=prof.stage == 3).values()) * args.micro
+    act_pred = sum(activation_bytes_per_sample(config, args.precision, checkpointing, spec.finetune_json,
+                                               zero3=prof.stage == 3).values()) * args.micro
     return compare(name, prof, spec, states, held, persistent, act, act_pred, act_parts,
                    statistics.median(times[1:] or times), per_node, checkpointing)
 

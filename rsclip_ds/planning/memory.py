@@ -51,8 +51,7 @@ import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-import torch
-
+from rsclip_ds.planning.activations import activation_bytes_per_sample, meta_model
 from rsclip_ds.planning.comms import hybrid_settings
 
 GiB = 2**30
@@ -70,7 +69,6 @@ ADAM_TEMPORARIES = {"cuda": 1, "cpu": 2}
 # (`single_partition_of_fp32_groups`, `fp32_partitioned_groups_flat`), so k = 4 + 8 always
 # (measured by benchmarks/memory/per_rank.py).
 BYTES = {"fp32": (4, 4, 12), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Bytes per element of the master weights, of their gradient in the step and of AdamW's m and v, by
 # bf16.master_weights. 'bf16' (bf16_master_weights_and_grads + bf16_optimizer_states), measured in
 # 0.19.8 (benchmarks/memory/per_rank.py --set bf16.master_weights=bf16): a bf16 master partition beside the
@@ -132,21 +130,6 @@ class ModelSpec:
         return trained / total
 
 
-def _meta_model(config, finetune_json: str = "{}"):
-    """The dual encoder on the meta device, with the fine-tuning controls applied (a new image
-    size changes the config before; LoRA adds its adapters; locks set requires_grad)."""
-    from rsclip_ds.config import FinetuneConfig
-    from rsclip_ds.finetune import apply_lora, apply_trainability
-    from rsclip_ds.model import new_dual_encoder
-
-    finetune = FinetuneConfig.model_validate(json.loads(finetune_json))
-    with torch.device("meta"):
-        model = new_dual_encoder(config)
-        apply_lora(model, finetune.lora)
-    apply_trainability(model, finetune)
-    return model
-
-
 def model_spec(config, name: str = "custom", finetune=None) -> ModelSpec:
     """Counts from a SiglipConfig, on the meta device (no memory, any size); ``finetune`` (a
     FinetuneConfig) sets what trains and adds LoRA's parameters."""
@@ -154,7 +137,7 @@ def model_spec(config, name: str = "custom", finetune=None) -> ModelSpec:
         config = config.__class__.from_dict(config.to_dict())
         config.vision_config.image_size = finetune.image_size
     ft = finetune.model_dump_json() if finetune is not None else "{}"
-    m = _meta_model(config, ft)
+    m = meta_model(config, ft)
     largest = max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules())
     vc, tc = config.vision_config, config.text_config
 
@@ -193,105 +176,6 @@ def scaled_spec(params: float) -> ModelSpec:
     one, two = model_spec(config(1)).params, model_spec(config(2)).params
     layers = max(1, round((params - one) / (two - one)) + 1)
     return model_spec(config(layers), f"custom-{params:.3g}")
-
-
-# --------------------------------------------------------------------------- activations
-
-class _FlashLikeSDPA(torch.autograd.Function):
-    """Stands in for F.scaled_dot_product_attention in the probe: saves what flash attention
-    saves on a GPU (q, k, v, out, fp32 logsumexp), not the (N, N) probabilities that the meta
-    device's math fallback would save. Forward only (shapes), never differentiated."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        b, h, n, _ = q.shape   # laid out (B, N, H, Dv) as the kernels do, so the caller's
-        out = torch.empty(b, n, h, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)  # transpose+contiguous is free
-        ctx.save_for_backward(q, k, v, out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("the activation probe is forward-only")
-
-
-def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    return _FlashLikeSDPA.apply(query, key, value)
-
-
-def saved_bytes(fn, exclude=()) -> int:
-    """Bytes of distinct storages autograd saves for backward while `fn()` runs (parameters,
-    and views of them, excluded). Works on the meta device, where storages have no data."""
-    skip = {t.untyped_storage()._cdata for t in exclude}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        key = t.untyped_storage()._cdata
-        if key not in skip:
-            seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
-
-
-@lru_cache(maxsize=None)
-def _probe(config_json: str, precision: str, checkpointing: bool, samples: int,
-           finetune_json: str = "{}", zero3: bool = False) -> tuple[int, int]:
-    from unittest import mock
-
-    from transformers import SiglipConfig
-
-    from rsclip_ds.finetune import keep_checkpointed_inputs_differentiable
-    from rsclip_ds.model import apply_activation_checkpointing
-    from rsclip_ds.planning.dropout import planned_patch_dropout
-
-    config = SiglipConfig.from_dict(json.loads(config_json))   # + the image tower's planned patch dropout:
-    model = planned_patch_dropout(_meta_model(config, finetune_json), config).to(DTYPES[precision]).train()
-    if checkpointing:
-        if finetune_json != "{}":
-            keep_checkpointed_inputs_differentiable(model)
-        apply_activation_checkpointing(model)
-    vc, tc = config.vision_config, config.text_config
-    with torch.device("meta"):
-        pixels = torch.empty(samples, 3, vc.image_size, vc.image_size, dtype=DTYPES[precision])
-        ids = torch.zeros(samples, tc.max_position_embeddings, dtype=torch.long)
-    params = list(model.parameters())
-    linear = torch.nn.functional.linear
-    if zero3:   # what a ZeRO-3 engine puts in place of F.linear (memory_efficient_linear, on by default)
-        from deepspeed.runtime.zero.linear import zero3_linear_wrap as linear
-    with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _sdpa), \
-            mock.patch.object(torch.nn.functional, "linear", linear):
-        vision = saved_bytes(lambda: model.vision_model(pixel_values=pixels), params)
-        text = saved_bytes(lambda: model.text_model(input_ids=ids), params)
-    return vision, text
-
-
-def activation_bytes_per_sample(config, precision: str = "bf16", checkpointing: bool = False,
-                                finetune_json: str = "{}", zero3: bool = False) -> dict:
-    """Measured bytes per sample saved for backward by each tower (SiglipConfig or preset name).
-
-    A forward of 2 samples on the meta device (real shapes, no memory) under
-    `saved_tensors_hooks`, halved. With checkpointing, the saved layer inputs plus one layer's
-    activations, alive while backward recomputes it: (full - checkpointed) / layers. With the
-    fine-tuning controls applied (``finetune_json``): a locked tower saves (almost) nothing.
-    ``zero3``: with ZeRO-3's linear, which saves its input also for frozen weights (it matters
-    for LoRA towers and partly locked ones; with everything trainable the bytes are the same)."""
-    if isinstance(config, str):
-        from rsclip_ds.model import preset_config
-
-        config = preset_config(config)
-    cj = config.to_json_string()
-    full = _probe(cj, precision, False, 2, finetune_json, zero3)
-    if not checkpointing:
-        return {"vision": full[0] // 2, "text": full[1] // 2}
-    ckpt = _probe(cj, precision, True, 2, finetune_json, zero3)
-    layers = (config.vision_config.num_hidden_layers, config.text_config.num_hidden_layers)
-    # backward recomputes one layer at a time, of one tower: only the larger layer counts
-    layer = [max(0, f - c) // n for f, c, n in zip(full, ckpt, layers)]
-    top = 0 if layer[0] >= layer[1] else 1
-    return {tower: (ckpt[i] + (layer[i] if i == top else 0)) // 2
-            for i, tower in enumerate(("vision", "text"))}
 
 
 def logits_bytes(loss: str, rows: int, cols: int) -> int:
@@ -411,8 +295,7 @@ def peak(spec: ModelSpec, profile, precision: str, gpus: int, gpus_per_node: int
     states = model_state_bytes(psi, stage, profile.offload_optimizer, profile.offload_param, precision, G,
                                gpus_per_node, trainable=t, master=master, hpz=h["hpz"] or 1, shard=h["mics"])
     # forward/backward: activations, the loss, the batch
-    act = _activation_bytes(spec.config_json, precision, checkpointing, spec.finetune_json,
-                            stage == 3 and spec.trainable < spec.params) * micro
+    act = _activation_bytes(spec, precision, checkpointing, stage == 3 and spec.trainable < spec.params) * micro
     per_rank = micro * accumulation_steps
     cols = G if negatives == "global" else 1
     if accumulation == "global" and accumulation_steps > 1:   # the loss runs alone over the cached features
@@ -494,22 +377,14 @@ def _torch_adam_offload(master: str) -> int:
     return int(master == "fp32")
 
 
+@lru_cache(maxsize=None)   # one SiglipConfig per spec: ~15 ms each, and a plan asks in every row
 def _config(spec: ModelSpec):
-    """The spec's SiglipConfig, read-only: one object per config, as a plan asks for it in every
-    row (a SiglipConfig from JSON, and its JSON back for the probe's key, cost ~15 ms each: most
-    of `rsclip-ds plan`'s seconds before they were cached)."""
-    return _config_of(spec.config_json)
-
-
-@lru_cache(maxsize=None)
-def _config_of(config_json: str):
     from transformers import SiglipConfig
 
-    return SiglipConfig.from_dict(json.loads(config_json))
+    return SiglipConfig.from_dict(json.loads(spec.config_json))
 
 
-@lru_cache(maxsize=None)
-def _activation_bytes(config_json: str, precision: str, checkpointing: bool, finetune_json: str, zero3: bool) -> int:
-    """Both towers' activation_bytes_per_sample, summed, for a config given as its JSON."""
-    return sum(activation_bytes_per_sample(_config_of(config_json), precision, checkpointing, finetune_json,
+@lru_cache(maxsize=None)   # and the towers' sum: activation_bytes_per_sample's key alone costs ~15 ms
+def _activation_bytes(spec: ModelSpec, precision: str, checkpointing: bool, zero3: bool) -> int:
+    return sum(activation_bytes_per_sample(_config(spec), precision, checkpointing, spec.finetune_json,
                                            zero3).values())

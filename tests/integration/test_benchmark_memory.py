@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rsclip_ds.planning import memory
+from rsclip_ds.planning.activations import activation_bytes_per_sample
 from rsclip_ds.model import new_dual_encoder, preset_config
 from rsclip_ds.profiles import load_profile, runnable_profiles
 from tests.integration.benchmark_helpers import run_benchmark
@@ -93,6 +94,6 @@ def test_activations_match_the_memory_model(report, profile):
     with activation checkpointing as the profile turns it on (and the Trainer applied it)."""
     prof, row = load_profile(profile), _row(report, profile)
     assert row["activation_checkpointing"] == prof.activation_checkpointing
-    per_sample = memory.activation_bytes_per_sample(preset_config("tiny"), "fp32", prof.activation_checkpointing)
+    per_sample = activation_bytes_per_sample(preset_config("tiny"), "fp32", prof.activation_checkpointing)
     assert row["activations"]["measured"] == pytest.approx(sum(per_sample.values()) * MICRO, rel=0.15), \
         row["activations"]

@@ -13,8 +13,8 @@ import torch
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-from rsclip_ds.planning.memory import (GiB, _probe, activation_bytes_per_sample, logits_bytes, model_state_bytes, peak, preset_spec,
-                              saved_bytes, scaled_spec)
+from rsclip_ds.planning.activations import _probe, activation_bytes_per_sample, saved_bytes
+from rsclip_ds.planning.memory import GiB, logits_bytes, model_state_bytes, peak, preset_spec, scaled_spec
 from rsclip_ds.planning.planner import Budget, Hardware, plan, recommend, step_seconds
 from rsclip_ds.profiles import PROFILE_DIR, Profile, load_profile
 from rsclip_ds.config import ConfigError
@@ -322,7 +322,7 @@ def test_chunked_siglip_keeps_no_logits_from_forward_to_backward():
     keeps none of them for backward -- less than one chunk's logits_bytes, where the unchunked form
     keeps the whole (B, B) (the ring's blocks on W ranks: docs/results/training.md#contrastive)."""
     from rsclip_ds.losses import siglip_loss_global
-    from rsclip_ds.planning.memory import saved_bytes
+    from rsclip_ds.planning.activations import saved_bytes
 
     b, d, chunk = 256, 8, 32
     image = torch.nn.functional.normalize(torch.randn(b, d), dim=-1).requires_grad_()

@@ -189,7 +189,8 @@ def test_planner_counts_the_kept_tokens():
     `rsclip-ds plan` takes --set model.patch_dropout and carries it into the launch command."""
     from rsclip_ds.planning.dropout import with_patch_dropout
     from rsclip_ds.planning.flops import encoder_layer_flops, text_flops, vision_flops
-    from rsclip_ds.planning.memory import _config, activation_bytes_per_sample, preset_spec
+    from rsclip_ds.planning.activations import activation_bytes_per_sample
+    from rsclip_ds.planning.memory import _config, preset_spec
     from rsclip_ds.planning.planner import train_flops
 
     spec = preset_spec("git-rsclip-base")
