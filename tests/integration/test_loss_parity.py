@@ -1,9 +1,9 @@
 """Global-batch losses and 'global' accumulation equal one big single-process batch.
 
 For every ZeRO stage on 2 and 3 CPU ranks (one launch per world size runs the three stages),
-`parity_worker.py` takes one optimizer step with a
-client SGD (lr 1, no clipping), so the update of every parameter is minus its rank-averaged
-gradient, and compares it with plain torch on the concatenated batch:
+`parity_worker.py` takes one optimizer step with a client SGD (lr 1, no clipping), so the update
+of every parameter is minus its rank-averaged gradient, and compares it with plain torch on the
+concatenated batch:
   - siglip (ring) and clip (gathered, local-loss form), k = 1;
   - 'global' accumulation at k = 2 and 3 (k x micro x world samples in one loss);
   - siglip with chunked logits (chunk 3 of 8 rows) under 'global' accumulation;
