@@ -377,7 +377,8 @@ def _torch_adam_offload(master: str) -> int:
     return int(master == "fp32")
 
 
-@lru_cache(maxsize=None)   # one SiglipConfig per spec: ~15 ms each, and a plan asks in every row
+@lru_cache(maxsize=None)   # one SiglipConfig per spec, shared: read it, never change it (~15 ms each;
+# a plan asks in every row)
 def _config(spec: ModelSpec):
     from transformers import SiglipConfig
 

@@ -322,7 +322,6 @@ def test_chunked_siglip_keeps_no_logits_from_forward_to_backward():
     keeps none of them for backward -- less than one chunk's logits_bytes, where the unchunked form
     keeps the whole (B, B) (the ring's blocks on W ranks: docs/results/training.md#contrastive)."""
     from rsclip_ds.losses import siglip_loss_global
-    from rsclip_ds.planning.activations import saved_bytes
 
     b, d, chunk = 256, 8, 32
     image = torch.nn.functional.normalize(torch.randn(b, d), dim=-1).requires_grad_()
