@@ -5,7 +5,8 @@
     rsclip-ds plan --nodes 4 --gpus-per-node 8 --inter-node-gbps 100 --gpu-mem 141GB --global-batch 32768
 
 The numbers come from `rsclip_ds.planning.memory` (the peak's terms) and `rsclip_ds.planning.planner` (fit and
-speed); formulas and assumptions are in their docstrings.
+speed, the reason for the pick, the nearest fit); formulas and assumptions are in their docstrings.
+Exit codes: 0 a row fits, 2 a bad argument (ConfigError), EXIT_NOTHING_FITS when nothing fits.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 
 from rsclip_ds.config import ConfigError
 
+# Nothing fits: the plan ran and its answer is no (as check-leakage's 3); 2 stays a bad argument.
+EXIT_NOTHING_FITS = 3
 _UNITS = {"": 2**30, "gib": 2**30, "gb": 10**9, "mib": 2**20, "mb": 10**6, "tib": 2**40, "tb": 10**12}
 
 
@@ -33,7 +36,13 @@ def parse_bytes(text: str) -> int:
 def register(subparsers) -> argparse.ArgumentParser:
     from rsclip_ds.model import PRESETS
 
-    p = subparsers.add_parser("plan", help="predict memory per GPU for every profile and pick one")
+    p = subparsers.add_parser(
+        "plan", help="predict memory per GPU for every profile and pick one",
+        description="Predict memory per GPU for every profile and pick one: the fastest that fits, by modelled "
+                    "step time (compute, communication, offload and each ZeRO stage's host and hook cost, measured on "
+                    "an H200), ties to the lighter stage; the line under the table (`reason` in --json) says why. "
+                    f"When nothing fits it names the nearest fit and what would make it fit, and exits "
+                    f"{EXIT_NOTHING_FITS}.")
     p.add_argument("--model", default="git-rsclip-large", choices=sorted(PRESETS), help="model preset")
     p.add_argument("--params", type=float, help="instead of --model: a hypothetical size, e.g. 5e9 "
                    "(git-rsclip-large's towers scaled in width and depth)")
@@ -72,7 +81,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "FLOPs and activations on the kept patches), e.g. --set model.patch_dropout=0.5; and distill.teacher "
                    "(a preset or a SigLIP folder), distill.dtype, distill.placement: the teacher's weights, inputs, "
                    "forward and FLOPs, e.g. --set distill.teacher=git-rsclip-large")
-    p.add_argument("--json", action="store_true", help="print rows and the recommendation as JSON")
+    p.add_argument("--json", action="store_true", help="print rows, the recommendation and its `reason` as JSON "
+                   "(`recommended` null and `nearest_fit` set when nothing fits)")
     p.add_argument("--write-config", type=Path, metavar="PATH",
                    help="write the recommended row's resolved DeepSpeed JSON here and print the launch command")
     p.set_defaults(handler=run)
@@ -106,7 +116,7 @@ def launch_command(row, args, gpus_per_node: int, nodes: int) -> str:
     return f"deepspeed {where} --module rsclip_ds train --config CONFIG {sets}"
 
 
-def _print_table(rows, best, args, spec) -> None:
+def _print_table(rows, best, args, spec, why: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -114,48 +124,49 @@ def _print_table(rows, best, args, spec) -> None:
                         f"of {args.gpu_mem}, global batch {args.global_batch}, {args.precision}"
                         f"{', bf16 masters' if args.master_weights == 'bf16' else ''}")
     for col in ("profile", "act. ckpt", "fits", "GiB/GPU", "allocated", "peak in", "CPU GiB/node", "max micro",
-                "micro x accum", "step s", "compute s", "comm intra s", "comm inter s", "rel. speed"):
+                "micro x accum", "step s", "compute s", "comm intra s", "comm inter s", "host s", "rel. speed"):
         table.add_column(col, justify="left" if col in ("profile", "peak in") else "right", no_wrap=col == "profile")
     for r in rows:
         mark = " *" if r is best else ("" if r.candidate else " (-)")
         table.add_row(r.profile + mark, "on" if r.checkpointing else "off", "yes" if r.fits else "no",
                       f"{r.gpu_gib:.1f}", f"{r.allocated_gib:.1f}", r.phase, f"{r.cpu_gib_node:.1f}", str(r.max_micro),
-                      f"{r.micro} x {r.accumulation}" if r.fits else "-", f"{r.step_s:.3g}", f"{r.compute_s:.3g}",
-                      f"{r.comm_intra_s:.3g}", f"{r.comm_inter_s:.3g}",
-                      f"{r.relative_speed:.2f}" if r.fits else "-")
+                      f"{r.micro} x {r.accumulation}" if r.fits else "-", *(
+                          (f"{r.step_s:.3g}", f"{r.compute_s:.3g}", f"{r.comm_intra_s:.3g}", f"{r.comm_inter_s:.3g}",
+                           f"{r.host_s:.3g}", f"{r.relative_speed:.2f}") if r.fits else ["-"] * 6))
     console = Console()
-    if console.width < 170:   # pipes and CI logs default to 80 columns: keep the table readable
-        console = Console(width=170)
+    if console.width < 180:   # pipes and CI logs default to 80 columns: keep the table readable
+        console = Console(width=180)
     console.print(table)
     console.print("GiB/GPU: the predicted peak that must fit (allocated + allocator headroom + 1 GiB for the "
                   "CUDA context and NCCL); allocated: what torch.cuda.max_memory_allocated would show.")
     console.print("step s = compute + communication (per collective the slower of intra-node and inter-node time) "
-                  f"- {args.overlap:g} x the overlap; comm intra/inter s: each link's time per step.")
+                  f"- {args.overlap:g} x the overlap + offload + host s; comm intra/inter s: each link's time per step; "
+                  "host s: the ZeRO stage's own host and hook time (ZeRO-3's hooks, measured on an H200).")
     for profile, note in sorted({(r.profile, r.note) for r in rows if r.note}):
         console.print(f"{profile}{'' if any(r.candidate for r in rows if r.profile == profile) else ' (-)'}: {note}")
-    console.print("* recommended: the fastest that fits." if best else
-                  "Nothing fits: add GPUs or nodes, or use a smaller model.")
+    console.print(f"* recommended: {why}" if best else why, soft_wrap=True)
 
 
 def run(args) -> int:
+    """0 when a row fits, EXIT_NOTHING_FITS when none does (a ConfigError, exit 2, for bad arguments)."""
     if not args.json:
-        return _run(args)
+        return _run(args)[1]
     # `plan --json | jq`: stdout carries the JSON only. DeepSpeed's logger writes to stdout
     # (its accelerator warning on a machine without a GPU comes at import): everything but the
     # JSON goes to stderr while the plan is made; the JSON is printed after.
     out = sys.stdout
     with contextlib.redirect_stdout(sys.stderr):
-        doc = _run(args)
+        doc, code = _run(args)
     print(json.dumps(doc, indent=2), file=out)
-    return 0
+    return code
 
 
-def _run(args):
-    """Makes the plan; prints the table (returns 0), or returns the JSON document (--json)."""
+def _run(args) -> tuple[dict | None, int]:
+    """Makes the plan; prints the table, or returns the JSON document (--json); and the exit code."""
     from rsclip_ds.planning import comms
     from rsclip_ds.planning.dropout import with_patch_dropout
     from rsclip_ds.planning.memory import preset_spec, scaled_spec
-    from rsclip_ds.planning.planner import Budget, Hardware, plan, recommend
+    from rsclip_ds.planning.planner import Budget, Hardware, nearest_fit, plan, reason, recommend
     from rsclip_ds.planning.teacher import teacher_plan
     from rsclip_ds.profiles import available_profiles
 
@@ -178,12 +189,14 @@ def _run(args):
             raise ValueError(f"--overlap {args.overlap}: a share between 0 and 1")
         inter = comms.network_bw(args.inter_node_gbps) / args.gpus if args.inter_node_gbps else args.inter_bw * 1e9
         hw = Hardware(intra_bw=args.intra_bw * 1e9, inter_bw=inter, overlap=args.overlap)
-        rows = plan(spec, budget, args.global_batch, args.precision, loss=args.loss,
-                    negatives=args.negatives, accumulation=args.accumulation, hw=hw, master=args.master_weights,
-                    comm=args.communication_data_type, teacher=teacher)
+        kw = dict(precision=args.precision, loss=args.loss, negatives=args.negatives, accumulation=args.accumulation,
+                  hw=hw, master=args.master_weights, comm=args.communication_data_type, teacher=teacher)
+        rows = plan(spec, budget, args.global_batch, **kw)
+        best = recommend(rows)
+        nearest = None if best else nearest_fit(spec, budget, args.global_batch, rows, **kw)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    best = recommend(rows)
+    why = reason(best, rows, budget) if best else nearest.text
     command = launch_command(best, args, args.gpus, args.nodes) if best and not args.params else None
     if command and best.profile not in available_profiles():   # a hybrid modelled from planner.HYBRID
         command += (f"   # ds_profiles/{best.profile}.json is not in this checkout: --write-config writes "
@@ -194,19 +207,22 @@ def _run(args):
                "finetune": finetune.model_dump(), "master_weights": args.master_weights, "gpus": budget.gpus,
                "gpu_bytes": budget.gpu_bytes, "global_batch": args.global_batch, "nodes": args.nodes,
                "intra_bw_gbs": args.intra_bw, "inter_bw_gbs": hw.inter_bw / 1e9, "overlap": args.overlap,
-               "rows": [r.to_dict() for r in rows],
-               "recommended": best.to_dict() if best else None, "command": command}
+               "rows": [r.to_dict() for r in rows], "recommended": best.to_dict() if best else None,
+               "reason": why, "nearest_fit": nearest.to_dict() if nearest else None, "command": command}
     else:
-        _print_table(rows, best, args, spec)
+        _print_table(rows, best, args, spec, why)
         if command:
             print(command)
-    if args.write_config:
-        if best is None or args.params:
-            raise ConfigError("--write-config needs a --model preset and a row that fits")
+    if args.write_config and best is None:
+        print(f"rsclip-ds plan: nothing fits, so no DeepSpeed config was written to {args.write_config}",
+              file=sys.stderr)
+    elif args.write_config:
+        if args.params:
+            raise ConfigError("--write-config needs a --model preset (a --params model has no config to write)")
         write_config(best, args, budget.gpus, args.write_config)
         if not args.json:
             print(f"DeepSpeed config written to {args.write_config}")
-    return doc if args.json else 0
+    return doc, 0 if best else EXIT_NOTHING_FITS
 
 
 def write_config(row, args, world_size: int, path: Path) -> dict:
