@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.results_tables import chaos, comms, data, faults, memory, throughput, training
+from benchmarks.results_tables import census, chaos, comms, data, faults, memory, throughput, training
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -135,6 +135,12 @@ THROUGHPUT = (
                                                  f"--out {R}/gpu_h200_loader.json")),
         Source("gpu_h200_openclip.json", py("gpu", f"--open-clip VENV --model git-rsclip-base "
                                                    f"--out {R}/gpu_h200_openclip.json")))),
+    Family("census", "Op census: aten ops per training step, ours per profile against the plain PyTorch twin",
+           census.census, (
+        Source("census_base_before.json", note="the command below, with DeepSpeed's defaults (commit ca3ef2f)"),
+        Source("census_base.json", py("census", f"--out {R}/census_base.json")),
+        Source("gpu_h200_census*.json", note="the same census on one H200 (CUDA), from the GPU script "
+                                             "(docs/benchmarks/gpu.md)"))),
 )
 
 MEMORY = (

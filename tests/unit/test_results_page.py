@@ -18,7 +18,7 @@ from benchmarks import render_results as rr
 
 ROOT = Path(__file__).resolve().parents[2]
 ANCHORS = {      # other docs link to these anchors on these pages (`results/memory.md#memory-peak`): keep them
-    "throughput.md": ["throughput", "throughput-openclip", "patch-dropout", "distill", "compile", "gpu"],
+    "throughput.md": ["throughput", "throughput-openclip", "patch-dropout", "distill", "compile", "gpu", "census"],
     "memory.md": ["memory", "memory-finetune", "memory-peak", "build-rss", "checkpoint-bytes", "step-faults"],
     "data.md": ["decode", "loader", "ingest", "leakage"],
     "comms.md": ["comms", "comms-hpz", "scaling", "heartbeat"],
