@@ -137,7 +137,7 @@ THROUGHPUT = (
                                                    f"--out {R}/gpu_h200_openclip.json")))),
     Family("census", "Op census: aten ops per training step, ours per profile against the plain PyTorch twin",
            census.census, (
-        Source("census_base_before.json", note="the command below, with DeepSpeed's defaults (commit ca3ef2f)"),
+        Source("census_base_before.json", note="the command below at commit f43a822, before bf16.check_grad_overflow and the one-rank overlap_comm"),
         Source("census_base.json", py("census", f"--out {R}/census_base.json")),
         Source("gpu_h200_census*.json", note="the same census on one H200 (CUDA), from the GPU script "
                                              "(docs/benchmarks/gpu.md)"))),

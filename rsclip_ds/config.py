@@ -265,6 +265,14 @@ class Bf16Config(Strict):
         "'bf16' sums in bf16. 'auto': fp32 for ZeRO-2 and ZeRO-3, bf16 for ZeRO-1 and ZeRO-2 with optimizer "
         "offload, where fp32 costs GPU memory the others do not pay (docs/guides/precision.md: the measurement, "
         "the rule and the bytes); bf16 with master_weights=bf16.")
+    check_grad_overflow: bool = Field(
+        False, description="bf16 only: DeepSpeed's per-gradient overflow check (its `bf16.check_grad_overflow`, "
+        "on by default since 0.19.3): an amax and an amin and their isfinite tests on every gradient tensor, "
+        "then a host sync, every step -- about 12 small kernels per parameter tensor, the largest part of "
+        "the step's non-matmul work (docs/results/throughput.md#census). Off: a step whose gradient is not "
+        "finite is caught by its gradient norm instead (one reduction a step, computed for clipping anyway: "
+        "faults.max_nonfinite_steps counts it like a non-finite loss). On: DeepSpeed skips such a step "
+        "(ZeRO-1/2; ZeRO-3 never checks under bf16).")
 
 
 class LoggingConfig(Strict):

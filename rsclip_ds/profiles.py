@@ -263,6 +263,10 @@ def _run_values(run: RunConfig, sizes: BatchSizes, on_gpu: bool, offload: bool) 
         # torch's fused AdamW (CPU and CUDA kernels): one pass over each flat ZeRO partition in
         # place; foreach, DeepSpeed's default, makes partition-sized temporaries every step
         values["optimizer"]["params"]["fused"] = True
+    if run.precision == "bf16":
+        # DeepSpeed 0.19.8 tests every gradient tensor for inf/NaN (amax, amin, isfinite) each step
+        # unless told not to; the run's guard reads the step's gradient norm instead (train.py)
+        values["bf16"]["check_grad_overflow"] = run.bf16.check_grad_overflow
     if run.precision == "fp16":
         f = run.fp16
         values["fp16"].update(loss_scale=0, initial_scale_power=f.initial_scale_power,
@@ -429,10 +433,22 @@ def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu
               **monitor_sections(run, profile)}
     if "zero_optimization" in config:
         config["zero_optimization"] = resolve_per_node(profile, world_size, local_world_size)
+        if one_rank_overlap(profile, world_size):
+            config["zero_optimization"]["overlap_comm"] = False
     if profile.offload_optimizer and values["optimizer"]["params"]["torch_adam"]:
         # torch.optim.AdamW on offloaded states: allowed, slower than DeepSpeedCPUAdam on GPUs.
         config["zero_force_ds_cpu_optimizer"] = False
     return config
+
+
+def one_rank_overlap(profile: Profile, world_size: int) -> bool:
+    """Whether build_ds_config turns the profile's overlap_comm off: ZeRO-1/2 on one rank, where
+    there is no reduction to overlap with. DeepSpeed 0.19.8's ZeRO-1/2 with overlap_comm waits for
+    the whole device (accelerator.synchronize()) before each gradient bucket's reduction and at the
+    end of the backward, stalling the host's run-ahead of the GPU, and keeps a second bucket.
+    ZeRO-3 keeps it (its prefetch of the next layer's weights uses the side stream)."""
+    zero = profile.strategy.get("zero_optimization", {})
+    return world_size == 1 and profile.stage in (1, 2) and bool(zero.get("overlap_comm"))
 
 
 # logging.<switch> -> (DeepSpeed's section, the folder under {output_dir}/monitor, the package it needs)

@@ -233,6 +233,18 @@ class Guard:
                 log.warning("fault injection: rank %d sends itself %s at step %d", rank, sig.name, step)
                 os.kill(os.getpid(), sig)
 
+    def step_value(self, loss: torch.Tensor, engine) -> torch.Tensor:
+        """What the loop records for a step: its loss, or NaN where the step's gradient norm is not
+        finite. The norm is the step's one reduction over every gradient (DeepSpeed computes it for
+        clipping; an inf/NaN gradient makes it inf/NaN, which ZeRO-1/2 store as -1): with
+        DeepSpeed's per-gradient overflow check off (bf16.check_grad_overflow, the default) this
+        is the run's non-finite guard, a comparison on the device and no host sync."""
+        norm = engine.get_global_grad_norm() if self.check_nonfinite else None
+        if norm is None:
+            return loss
+        norm = torch.as_tensor(norm, dtype=torch.float32, device=loss.device)
+        return torch.where(torch.isfinite(norm) & (norm >= 0), loss, torch.full_like(loss, math.nan))
+
     def loss_hook(self, step: int, loss: torch.Tensor, rank: int) -> torch.Tensor:
         if self.inject_nan_at_step is not None and step >= self.inject_nan_at_step and rank == 0:
             return loss * float("nan")
@@ -349,7 +361,7 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
         guard.before_step(step, rank, world, loader)
         result.lrs.append(float(engine.get_lr()[0]))
         loss = optimizer_step(engine, batches, loss_fn, sizes, accumulation, dtype, distiller)
-        pending.append(guard.loss_hook(step, loss, rank))
+        pending.append(guard.loss_hook(step, guard.step_value(loss, engine), rank))
         if step == start + 1:
             t_first = time.perf_counter()   # excludes lazy init / first-call overheads
             result.first_step_s = t_first - t_loop
@@ -454,5 +466,5 @@ def _check_finite(losses: list[float], step: int, guard: Guard) -> None:
         first = len(losses) - run + 1
         raise NonFiniteLoss(
             f"loss is not finite for {run} consecutive steps ({first}..{len(losses)}; detected at step "
-            f"{step}); stopped without saving. The last good checkpoint is untouched: lower optim.lr, "
-            f"check the data, then resume with --resume latest")
+            f"{step}); stopped without saving (a step whose gradient norm is not finite counts as one). The "
+            f"last good checkpoint is untouched: lower optim.lr, check the data, then resume with --resume latest")

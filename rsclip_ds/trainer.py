@@ -46,7 +46,7 @@ from rsclip_ds.losses import build_loss
 from rsclip_ds.model import (ModelBundle, PatchDropoutSwitch, apply_activation_checkpointing, apply_patch_dropout,
                              build_model)
 from rsclip_ds.profiles import (BatchSizes, Profile, activation_checkpointing_enabled, build_ds_config,
-                                derive_batch, load_profile, scaled_lr)
+                                derive_batch, load_profile, one_rank_overlap, scaled_lr)
 from rsclip_ds.reporting.curves import plot_curves
 from rsclip_ds.reporting.load import DataWaitWatch
 from rsclip_ds.reporting.metrics import MetricsLog
@@ -91,6 +91,18 @@ def check_run(run: RunConfig, *, shards: bool = True) -> tuple[Profile, dict]:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     return profile, ds_config
+
+
+def step_decisions(run: RunConfig, profile: Profile, ds_config: dict, world_size: int) -> list[str]:
+    """What build_ds_config decided about the step on the user's behalf, for the start-up line."""
+    said = []
+    if ds_config.get("bf16", {}).get("enabled") and not ds_config["bf16"].get("check_grad_overflow", True):
+        said.append("no per-gradient overflow check (bf16.check_grad_overflow=false: the step's gradient norm "
+                    "is the non-finite guard)")
+    if one_rank_overlap(profile, world_size):
+        said.append(f"overlap_comm off (one rank: ZeRO-{profile.stage} has no reduction to overlap, and "
+                    f"DeepSpeed would sync the device at every bucket)")
+    return said
 
 
 @dataclass
@@ -205,6 +217,9 @@ class Trainer:
                      "%.2fM parameters, trainable %s", bundle.source, self.profile.name, run.precision, batch,
                      bundle.num_parameters() / 1e6,
                      ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in trainable.items()))
+            said = step_decisions(run, self.profile, self.ds_config, info.world_size)
+            if said:
+                log.info("DeepSpeed step: %s", "; ".join(said))
         with self._phase("eval_sets"):
             eval_hook = build_eval_hook(run, bundle, info.rank, info.world_size)  # reads the eval sets now
         if eval_hook and run.compile.enabled:   # eager: its batch shapes vary (runtime/compilation.py)
@@ -215,10 +230,11 @@ class Trainer:
         groups = param_groups(bundle.model, run.optim, lr_factor=scaled_lr(run, info.world_size) / run.optim.lr)
         o = run.optim
         with self._phase("engine"):
+            if run.compile.enabled:   # lazy (compiled in step 1, see _finish); before ZeRO-3 registers its hooks
+                apply_compile(bundle.model, run.compile,
+                              zero_stage=self.ds_config.get("zero_optimization", {}).get("stage", 0))
             engine = build_engine(bundle.model, self.ds_config, groups,
                                   lr_scheduler(o.warmup_steps, run.steps, o.min_lr_ratio))
-            if run.compile.enabled:   # lazy: the compilation happens in the first step (see _finish)
-                apply_compile(engine, run.compile)
         checkpointer = self._checkpointer(bundle)
         with self._phase("resume"):
             if tag is None:

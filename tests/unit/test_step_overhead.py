@@ -1,0 +1,120 @@
+"""The step's overhead that build_ds_config removes (issue 36, benchmarks/census.py): DeepSpeed's
+per-gradient overflow check under bf16 and overlap_comm on one rank. Each removal leaves the
+step's math unchanged (weights bit-equal to DeepSpeed's defaults after three steps, forked ranks
+on the tiny preset), and the non-finite guard that replaces the check catches a NaN gradient
+under a finite loss."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from rsclip_ds.config import load_config
+from rsclip_ds.profiles import build_ds_config, load_profile
+from rsclip_ds.trainer import step_decisions
+from tests.unit.forked_ranks import run_ranks
+
+MICRO = 4
+
+
+def _ds(profile: str, world: int, *sets: str) -> dict:
+    return build_ds_config(load_config(None, [f"profile={profile}", *sets]), load_profile(profile), world,
+                           on_gpu=False, local_world_size=world)
+
+
+def test_bf16_runs_drop_the_per_gradient_check_and_one_rank_drops_overlap_comm():
+    ds = _ds("zero2", 1, "precision=bf16")
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False}
+    assert ds["zero_optimization"]["overlap_comm"] is False                 # the profile says true
+    assert _ds("zero2", 2, "precision=bf16")["zero_optimization"]["overlap_comm"] is True   # two ranks: kept
+    assert _ds("zero3", 1, "precision=bf16")["zero_optimization"]["overlap_comm"] is True   # prefetch: kept
+    assert _ds("zero2", 1, "precision=bf16", "bf16.check_grad_overflow=true")["bf16"]["check_grad_overflow"] is True
+    assert "check_grad_overflow" not in _ds("zero2", 1, "precision=fp16")["bf16"]      # fp16: the loss scaler's
+    run = load_config(None, ["profile=zero2", "precision=bf16"])
+    said = step_decisions(run, load_profile("zero2"), ds, 1)
+    assert len(said) == 2 and "bf16.check_grad_overflow=false" in said[0] and "overlap_comm off" in said[1]
+    assert step_decisions(run, load_profile("zero2"), _ds("zero2", 2, "precision=bf16"), 2) == [said[0]]
+
+
+def _batches(rank: int, vocab: int):
+    g = torch.Generator().manual_seed(rank)
+    while True:
+        yield {"pixel_values": torch.randint(0, 256, (MICRO, 3, 64, 64), dtype=torch.uint8, generator=g),
+               "input_ids": torch.randint(0, vocab, (MICRO, 48), generator=g)}
+
+
+def _steps(rank: int, world: int, out: str, profile: str, deepspeed_defaults: bool, nan_grad_at: int | None) -> dict:
+    """Three bf16 optimizer steps of the tiny preset as the Trainer builds them. deepspeed_defaults: the
+    config as DeepSpeed 0.19.8 would run without our changes (per-gradient check on, the profile's
+    overlap_comm). nan_grad_at: that step's gradient of one weight becomes NaN (its loss stays
+    finite). -> the losses, what Guard.step_value recorded, and a digest of every weight."""
+    from benchmarks.census import OpCensus
+    from rsclip_ds.engine import engine_dtype
+    from rsclip_ds.model import maybe_gathered, preset_bundle
+    from rsclip_ds.train import Guard, train_step
+    from rsclip_ds.trainer import Trainer
+
+    run = load_config(None, [f"profile={profile}", "precision=bf16", "model.preset=tiny", "steps=3",
+                             f"batch.micro_batch_size={MICRO}", "optim.warmup_steps=0", f"output_dir={out}/{rank}",
+                             "checkpoint.at_end=false"])
+    bundle = preset_bundle("tiny", None, run.seed, own_vocabulary=True)
+    batches = _batches(rank, bundle.model.config.text_config.vocab_size)
+    state = {"step": 0}
+    weight = bundle.model.vision_model.encoder.layers[0].mlp.fc1.weight
+    weight.register_hook(lambda g: g * math.nan if state["step"] == nan_grad_at else g)
+    trainer = Trainer(run, model=bundle, loader=batches)
+    if deepspeed_defaults:
+        trainer.ds_config["bf16"]["check_grad_overflow"] = True
+        trainer.ds_config["zero_optimization"]["overlap_comm"] = load_profile(profile).strategy[
+            "zero_optimization"]["overlap_comm"]
+    losses, recorded = [], []
+    with trainer:
+        parts = trainer.build()
+        engine, guard = parts.engine, Guard()
+        census = OpCensus()   # the third step's ops
+        for step in (1, 2, 3):
+            state["step"] = step
+            with census if step == 3 else contextlib.nullcontext():
+                loss = train_step(engine, next(batches), parts.loss_fn, engine_dtype(engine))
+            losses.append(float(loss))
+            recorded.append(float(guard.step_value(loss, engine)))
+        params = list(engine.module.parameters())
+        with maybe_gathered(params):   # ZeRO-3: whole weights
+            digest = [float(p.detach().double().sum()) for p in params] + \
+                     [float((p.detach().double() ** 2).sum()) for p in params]
+    return {"losses": losses, "recorded": recorded, "digest": digest, "tensors": len(params),
+            "finite": all(math.isfinite(x) for x in digest), "named": dict(census.named)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("profile,world", [("zero1", 2), ("zero2", 1), ("zero2", 2), ("zero3", 2)])
+def test_removing_the_overhead_leaves_the_step_unchanged(tmp_path, profile, world):
+    ours = run_ranks(_steps, world, tmp_path / "ours", str(tmp_path), profile, False, None, launcher_env=True)
+    theirs = run_ranks(_steps, world, tmp_path / "theirs", str(tmp_path), profile, True, None, launcher_env=True)
+    for rank in range(world):
+        assert "value" in ours[rank], ours[rank].get("traceback")
+        assert "value" in theirs[rank], theirs[rank].get("traceback")
+        a, b = ours[rank]["value"], theirs[rank]["value"]
+        assert a["losses"] == b["losses"] and a["recorded"] == a["losses"]
+        assert a["digest"] == b["digest"] and a["finite"]
+        # what went: DeepSpeed's check tests each of this rank's gradient tensors with an amax and an amin
+        # (ZeRO-1/2; ZeRO-3 never checks under bf16); the step's ops are otherwise the same
+        checked = b["named"].get("amax", 0)
+        if profile == "zero3":
+            assert checked == 0
+        else:   # every tensor of the partition: all of them on one rank
+            assert 0 < checked <= b["tensors"] and (world > 1 or checked == b["tensors"])
+        assert "amax" not in a["named"]
+        assert sum(b["named"].values()) - sum(a["named"].values()) >= (0 if profile == "zero3" else 10 * checked)
+
+
+@pytest.mark.parametrize("profile", ["zero2", "zero3"])
+def test_a_nan_gradient_under_a_finite_loss_is_recorded_as_a_non_finite_step(tmp_path, profile):
+    [r] = run_ranks(_steps, 1, tmp_path / "r", str(tmp_path), profile, False, 2, launcher_env=True)
+    assert "value" in r, r.get("traceback")
+    v = r["value"]
+    assert all(math.isfinite(x) for x in v["losses"][:2])           # the step-2 loss itself was finite
+    assert v["recorded"][0] == v["losses"][0] and math.isnan(v["recorded"][1])
