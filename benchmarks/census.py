@@ -174,12 +174,14 @@ def count_subject(subject: str, args) -> dict:
                                  f"profile={subject if subject != 'twin' else 'zero2'}", f"output_dir={out_dir}",
                                  "checkpoint.at_end=false", "model.activation_checkpointing=false",
                                  *args.set])
-        if subject == "twin":
+        if subject == "twin":   # on the engine's device (a GPU run: CUDA), as the Trainer places ours
+            from deepspeed.accelerator import get_accelerator
+
             from benchmarks.twin import PlainLoop
 
-            loop = PlainLoop(bundle.model, precision=args.precision, optim=run.optim, clip=run.optim.gradient_clipping)
-            step = loop.step
-            return _count(step, batch, args)
+            model = bundle.model.to(get_accelerator().current_device_name())
+            loop = PlainLoop(model, precision=args.precision, optim=run.optim, clip=run.optim.gradient_clipping)
+            return _count(loop.step, batch, args)
         from rsclip_ds.engine import engine_dtype
         from rsclip_ds.train import train_step
         from rsclip_ds.trainer import Trainer
