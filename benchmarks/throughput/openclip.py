@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import statistics
@@ -50,8 +51,9 @@ from typing import Callable
 
 from benchmarks.harness import environment, free_port, synthetic_data, write_report
 from benchmarks.throughput.launch_measure import foreign_share, launch, wait_quiet
-from benchmarks.throughput.openclip_cases import (OPENCLIP_MAIN, OPENCLIP_PRECISIONS, PAIRED, PEER_ENV, PEERS, RSCLIP_SETS, STYLES,
-                                                  Case, cases, openclip_cmd, rsclip_cmd, tool_env)
+from benchmarks.throughput.openclip_cases import (KIT, OPENCLIP_MAIN, OPENCLIP_PRECISIONS, PAIRED, PEER_ENV, PEERS,
+                                                  RSCLIP_SETS, STYLES, Case, cases, openclip_cmd, openclip_python,
+                                                  rsclip_cmd, tool_env)
 from benchmarks.throughput.openclip_shapes import SHAPES, write_hf_folder, write_openclip_dir
 from benchmarks.throughput.openclip_report import plot, print_tables
 
@@ -110,6 +112,11 @@ class Inputs:
 
 
 def check_venv(venv: Path) -> Path:
+    if venv == KIT:   # the GPU kit (benchmarks/gpu.py --open-clip kit)
+        if not os.path.isdir(os.environ.get("OPENCLIP_PYTHONPATH", "")):
+            raise SystemExit("--open-clip kit: OPENCLIP_PYTHONPATH names no folder; start the command with "
+                             "`source .gpu/env.sh &&` (the kit: bash ../shared/gpu/kit.sh)")
+        return KIT
     python = venv / "bin" / "python"
     if not python.is_file():
         raise SystemExit(f"no open_clip environment at {venv} (no {python}): create it with `{SETUP}`")
@@ -138,7 +145,7 @@ def prepare(bench: Bench, venv: Path, data_root: Path) -> tuple[Inputs, dict]:
 
 
 def openclip_count(inputs: Inputs, name: str) -> dict:
-    cmd = [str(inputs.venv / "bin" / "python"), str(OPENCLIP_MAIN), "--model-dir", str(inputs.openclip_dir),
+    cmd = [*openclip_python(inputs.venv), str(OPENCLIP_MAIN), "--model-dir", str(inputs.openclip_dir),
            "--count-params", name]
     proc = subprocess.run(cmd, env=tool_env("open_clip", "cpu", 1), capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:

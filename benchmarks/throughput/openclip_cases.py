@@ -19,12 +19,15 @@ Two ways to launch (`style`):
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.harness import ROOT, deepspeed_cmd
 
 OPENCLIP_MAIN = Path(__file__).resolve().parent / "openclip_main.py"
+# --open-clip kit: open_clip from the GPU kit's wheels (../shared/gpu/kit.sh), not from a venv
+KIT = Path("kit")
 OPENCLIP_PRECISIONS = ("fp32", "amp_bf16", "pure_bf16")
 # rsclip_ds precision -> the open_clip precisions it is compared with. amp_bf16 keeps fp32 weights
 # and optimizer state as DeepSpeed's bf16 does (fp32 masters); pure_bf16 holds bf16 weights and
@@ -101,12 +104,23 @@ def tool_env(tool: str, device: str, threads: int | None, peer: str | None = Non
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR"):
         env.pop(key, None)
     if tool == "rsclip_ds":
-        env["PYTHONPATH"] = str(ROOT)   # the ranks import this tree, whatever an install points at
+        # the ranks import this tree, whatever an install points at; what else the path held stays
+        # (the GPU kit's wheels: deepspeed, pydantic, webdataset 1.x)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         if device == "cpu":
             env["DS_ACCELERATOR"] = "cpu"
     else:
         env.pop("PYTHONPATH", None)     # the venv sees nothing of this environment
     return env
+
+
+def openclip_python(venv: Path) -> list[str]:
+    """The command that runs open_clip's Python: VENV/bin/python, or for KIT this Python with
+    PYTHONPATH=$OPENCLIP_PYTHONPATH (the kit installs open_clip, timm and webdataset 0.2.86 apart
+    from ours; tool_env drops our PYTHONPATH, `env` sets the kit's)."""
+    if venv == KIT:
+        return ["env", f"PYTHONPATH={os.environ['OPENCLIP_PYTHONPATH']}", sys.executable]
+    return [str(venv / "bin" / "python")]
 
 
 def openclip_cmd(bench, case: Case, inputs, port: int, name: str, style: str = "harness") -> list[str]:
@@ -117,7 +131,7 @@ def openclip_cmd(bench, case: Case, inputs, port: int, name: str, style: str = "
     # harness: no checkpoint, and no log folder beyond ./none/NAME/; users: open_clip's default
     # --save-frequency 1 into the run's folder
     saving = ["--openclip-logs", "none", "--save-frequency", "0"] if style == "harness" else ["--openclip-logs", "."]
-    return [str(inputs.venv / "bin" / "python"), "-m", "torch.distributed.run", "--nproc_per_node", str(bench.ranks),
+    return [*openclip_python(inputs.venv), "-m", "torch.distributed.run", "--nproc_per_node", str(bench.ranks),
             "--master_port", str(port), str(OPENCLIP_MAIN), "--model-dir", str(inputs.openclip_dir), *saving,
             "--model", shape.openclip_name, "--siglip", "--precision", case.precision, "--device", bench.device,
             "--train-data", inputs.train_pattern, "--dataset-type", "webdataset",
