@@ -1,24 +1,29 @@
 """Samples/s, MFU and peak memory of git-rsclip-base / -large on one GPU: bf16, ZeRO-2 and
-ZeRO-3, with and without activation checkpointing; and whether the data path keeps up: the same
-steps fed by the real loader from JPEG shards (--data loader) against a batch already in device
-memory (--data tensor, the default). No network; the shards are synthetic.
+ZeRO-3, with and without activation checkpointing; beside each preset, the plain PyTorch twin of
+the step (benchmarks/twin.py), eager and compiled, on the same model and batch -- the floor ours
+is read against; and whether the data path keeps up: the same steps fed by the real loader from
+JPEG shards (--data loader) against a batch already in device memory (--data tensor, the
+default). No network; the shards are synthetic.
 
     python -m benchmarks.gpu --out benchmarks/results/gpu_h200.json
     python -m benchmarks.gpu --profiles zero2 --ac off --data tensor loader \
         --out benchmarks/results/gpu_h200_loader.json        # the data path: 4 cases, ~4 min
-    python -m benchmarks.gpu --open-clip VENV --model git-rsclip-base --out benchmarks/results/gpu_h200_openclip.json
+    python -m benchmarks.gpu --open-clip kit --model git-rsclip-base --out benchmarks/results/gpu_h200_openclip.json
     DS_ACCELERATOR=cpu python -m benchmarks.gpu --model tiny --variants base patch_dropout --out /tmp/gpu_tiny.json
+    bash benchmarks/gpu_step.sh OUT_DIR     # the GPU session's one script: census, grid, twins, open_clip, < 9 min
 
-The first: 8 configurations and 3 variants (benchmarks/gpu_variants.py: the same case again with
-patch dropout, compilation or a distillation teacher), under 10 minutes on an H200 (about 45 s
-each: start-up, engine, 2 warm-up steps, then timed steps for --seconds; --total-budget 560 s
-skips what would start later). Each configuration runs in its own process (a fresh CUDA context,
-so peak memory is its own); one that fails or runs out of its time is recorded with the reason
-and the others go on. The hybrid-sharding profiles are refused on one rank
-(refuse_one_rank_hybrid says why; benchmarks/comms/multigpu_hybrid.sh measures them). --open-clip:
-the open_clip comparison on one rank (docs/benchmarks/throughput.md; VENV from
-benchmarks/throughput/openclip_env.sh, built on the GPU host), with the patch-dropout and compile
-peers (--openclip-peers), ~8 minutes. The last line is the CPU smoke form.
+The first: 8 configurations, 3 variants (benchmarks/gpu_variants.py: the same case again with
+patch dropout, compilation or a distillation teacher) and 2 twins per preset, about 45 s each on
+an H200 (start-up, engine, 2 warm-up steps, then timed steps for --seconds): ~11 minutes, so
+--total-budget (560 s) skips the last cases; gpu_step.sh runs the parts the GPU session needs.
+Each configuration runs in its own process (a fresh CUDA context, so peak memory is its own);
+one that fails or runs out of its time is recorded with the reason and the others go on. The
+hybrid-sharding profiles are refused on one rank (refuse_one_rank_hybrid says why;
+benchmarks/comms/multigpu_hybrid.sh measures them). --open-clip: the open_clip comparison on one
+rank (docs/benchmarks/throughput.md), open_clip run from VENV (benchmarks/throughput/openclip_env.sh)
+or, with `kit`, from the GPU kit's wheels (this Python with PYTHONPATH=$OPENCLIP_PYTHONPATH:
+../shared/gpu/kit.sh), with the patch-dropout and compile peers (--openclip-peers), ~8 minutes.
+The CPU smoke form is the fourth line.
 
 Per configuration: samples/s (timed steps x micro / seconds, after warm-up, with a device sync
 at both ends), model FLOPs per sample (rsclip_ds.planning.flops: 3 x the forward matmul FLOPs of both
@@ -30,8 +35,19 @@ model is `rsclip_ds.model.preset_bundle` with the preset's own vocabulary, built
 device (see run_case for why also under ZeRO-3)); the step is rsclip_ds.train.train_step with the
 SigLIP loss (one rank: local = global).
 
+The twins (--twins eager compiled, one process each, per preset and micro-batch): the same
+preset_bundle built the same way on the device, the same batch, the run's AdamW settings and
+clipping, in benchmarks.twin.PlainLoop (fp32 weights, autocast to --precision, fused AdamW, no
+DeepSpeed, no checkpointing; `compiled`: every encoder layer compiled). Their rows carry MFU like
+ours; `ours_vs_twin` pairs each of our tensor cases (the grid, and the compile variant; not patch
+dropout or distillation, which change the work) with them: our samples/s / the twin's, eager and
+compiled.
+
 The batches: --data tensor, one synthetic batch in device memory that every step reuses (the
-model's time alone); --data loader, the Trainer's own loader (`Trainer(run, model=...)` without
+model's time alone): uint8 pixels and token ids (tensor_batch), what the loader sends, so ours
+and the twin both normalise the pixels on the device in the model's forward, as a real step does,
+from the very same bytes (until issue 36: float pixels in the engine's dtype, which skipped the
+normalisation); --data loader, the Trainer's own loader (`Trainer(run, model=...)` without
 `loader=`: build_train_loader with --loader-workers DataLoader workers, pinned memory) reading
 --data-images make-synthetic scenes of --data-px px (JPEG q90; 256: Git-10M's tiles) written
 once per command, with a tokenizer trained on their captions (ids below the preset's
@@ -57,8 +73,8 @@ if not __package__:   # `python benchmarks/gpu.py`: the package's imports below 
     sys.exit("run the benchmarks as modules from the repository root: python -m benchmarks.gpu --out ...")
 
 from benchmarks.gpu_peaks import mfu_per_device, peak_flops
-from benchmarks.gpu_variants import (VARIANTS, pair_with_base, teacher_batch, variant_case, variant_overrides,
-                                     write_teacher)
+from benchmarks.gpu_variants import (TWINS, VARIANTS, pair_with_base, pair_with_twins, teacher_batch, variant_case,
+                                     variant_overrides, write_teacher)
 from benchmarks.harness import (base_parser, environment, page_tables, process_group, run_script, synthetic_data,
                                 write_report)
 from benchmarks.results_tables.throughput import gpu as gpu_tables
@@ -100,20 +116,25 @@ class Case:
     micro: int
     data: str = "tensor"        # tensor: one batch in device memory; loader: the real loader
     variant: str = "base"       # gpu_variants.VARIANTS: a feature's overrides on the same case
+    twin: str = ""              # gpu_variants.TWINS: the plain PyTorch loop instead of ours ("": ours)
 
     @property
     def name(self) -> str:
+        if self.twin:
+            return f"{self.preset}/twin-{self.twin}/micro{self.micro}"
         name = f"{self.preset}/{self.profile}/{'ac' if self.checkpointing else 'no-ac'}/micro{self.micro}"
         name = name if self.data == "tensor" else f"{name}/{self.data}"
         return name if self.variant == "base" else f"{name}/+{self.variant}"
 
 
 def cases(models: list[str], profiles: list[str], ac: list[bool], micro: int | None,
-          data: list[str] = ("tensor",), variants: list[str] = ("base",)) -> list[Case]:
+          data: list[str] = ("tensor",), variants: list[str] = ("base",), twins: list[str] = ()) -> list[Case]:
     """Every combination; a loader case right after its tensor twin, and the variants other than
     base right after the one tensor case they run on (gpu_variants.variant_case): the same
     machine state for a pair. Without "base" in `variants` only the variants' case and its variants
-    run (the base twin stays: each variant is read against it)."""
+    run (the base twin stays: each variant is read against it). `twins`: the plain loop's cases
+    of each preset (no profile, no checkpointing: profile "plain"), right after the preset's first
+    case, before its variants: the floor measured next to the case first read against it."""
     out: list[Case] = []
     for m, p, a in itertools.product(models, profiles, ac):
         grid = [Case(m, p, a, micro or MICRO.get(m, 8), d) for d in data]
@@ -121,6 +142,8 @@ def cases(models: list[str], profiles: list[str], ac: list[bool], micro: int | N
         extra = [v for v in variants if v != "base"] if on_this else []
         if "base" in variants or extra:
             out += grid[:1]
+        if (p, a) == (profiles[0], ac[0]):
+            out += [Case(m, "plain", False, micro or MICRO.get(m, 8), "tensor", "base", t) for t in twins]
         out += [Case(m, p, a, micro or MICRO.get(m, 8), "tensor", v) for v in extra]
         if "base" in variants:
             out += grid[1:]
@@ -181,14 +204,40 @@ def memory_after_warmup(on_gpu: bool) -> dict:
                              "outside_allocator_bytes": total - free - reserved}}
 
 
+def tensor_batch(config, micro: int, device, seed: int) -> dict:
+    """The --data tensor batch, ours and the twin's alike: uint8 pixels (what the loader sends; the
+    model normalises them on the device) and token ids below the vocabulary, seeded."""
+    import torch
+
+    v, t = config.vision_config, config.text_config
+    g = torch.Generator(device=device).manual_seed(seed)
+    return {"pixel_values": torch.randint(0, 256, (micro, 3, v.image_size, v.image_size), device=device,
+                                          generator=g, dtype=torch.uint8),                        # (B,3,H,W)
+            "input_ids": torch.randint(0, t.vocab_size, (micro, t.max_position_embeddings),
+                                       device=device, generator=g)}                               # (B,L)
+
+
+def case_run(case: Case, args, out_dir: str):
+    """The run config of a case (a twin's too: it takes the optimizer and clipping from it)."""
+    from rsclip_ds.config import load_config
+
+    overrides = [f"precision={args.precision}", f"batch.micro_batch_size={case.micro}",
+                 "steps=1000", "optim.warmup_steps=10", f"model.preset={case.preset}",
+                 f"model.activation_checkpointing={case.checkpointing}",
+                 f"output_dir={out_dir}", "checkpoint.at_end=false", *variant_overrides(case.variant, args.teacher)]
+    if not case.twin:
+        overrides.append(f"profile={case.profile}")
+    if case.data == "loader":
+        overrides += [f"data.train_shards={args.shards}", f"data.num_workers={args.loader_workers}"]
+    return load_config(None, overrides)
+
+
 def run_case(case: Case, args) -> dict:
     """Build with the Trainer, warm up, time; -> the row. Runs inside its own process."""
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from rsclip_ds.config import load_config
     from rsclip_ds.engine import engine_dtype
-    from rsclip_ds.planning.flops import flops_per_sample
     from rsclip_ds.model import load_tokenizer, preset_bundle
     from rsclip_ds.train import train_step
     from rsclip_ds.trainer import Trainer
@@ -197,14 +246,7 @@ def run_case(case: Case, args) -> dict:
     with process_group(args.threads) as info, tempfile.TemporaryDirectory() as out_dir:
         acc = get_accelerator()
         device = torch.device(acc.device_name(info.local_rank) if info.on_gpu else "cpu")
-        overrides = [f"precision={args.precision}", f"batch.micro_batch_size={case.micro}",
-                     "steps=1000", "optim.warmup_steps=10", f"profile={case.profile}",
-                     f"model.preset={case.preset}", f"model.activation_checkpointing={case.checkpointing}",
-                     f"output_dir={out_dir}", "checkpoint.at_end=false",
-                     *variant_overrides(case.variant, args.teacher)]
-        if loader_mode:
-            overrides += [f"data.train_shards={args.shards}", f"data.num_workers={args.loader_workers}"]
-        run = load_config(None, overrides)
+        run = case_run(case, args, out_dir)
         if info.on_gpu:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
@@ -218,18 +260,13 @@ def run_case(case: Case, args) -> dict:
         tokenizer = load_tokenizer(Path(args.tokenizer)) if loader_mode else None
         with torch.device(device):
             bundle = preset_bundle(case.preset, tokenizer, run.seed, own_vocabulary=True)
-        v, t = bundle.model.config.vision_config, bundle.model.config.text_config
-        g = torch.Generator(device=device).manual_seed(info.rank)
-        pixel_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.precision]   # the engine's: no cast per step
-        batch = {"pixel_values": torch.randn(case.micro, 3, v.image_size, v.image_size, device=device,
-                                             generator=g).to(pixel_dtype),                      # (B,3,H,W)
-                 "input_ids": torch.randint(0, t.vocab_size, (case.micro, t.max_position_embeddings),
-                                            device=device, generator=g)}                        # (B,L)
+        batch = tensor_batch(bundle.model.config, case.micro, device, info.rank)
         if case.variant == "distill":   # the teacher's own inputs, as the loader's second view carries them
+            g = torch.Generator(device=device).manual_seed(info.rank + 1)
             batch.update(teacher_batch(args.teacher, case.micro, device, g))
         with Trainer(run, model=bundle, loader=None if loader_mode else [batch]) as trainer:
             parts = trainer.build()
-            engine, loss_fn, config = parts.engine, parts.loss_fn, bundle.model.config
+            engine, loss_fn = parts.engine, parts.loss_fn
             build_s = time.perf_counter() - t0
             dtype = engine_dtype(engine)
             build_peak = torch.cuda.max_memory_allocated() if info.on_gpu else None
@@ -241,43 +278,89 @@ def run_case(case: Case, args) -> dict:
                 [batch] = parts.loader
                 batches = itertools.repeat(batch)
             cpu0 = _children_cpu_seconds()
-            timing = timed_steps(lambda b: train_step(engine, b, loss_fn, dtype, parts.distiller), batches, warmup=args.warmup,
-                                 seconds=args.seconds, max_steps=args.max_steps, sync=acc.synchronize,
-                                 after_warmup=lambda: memory_after_warmup(info.on_gpu))
+            timing = timed_steps(lambda b: train_step(engine, b, loss_fn, dtype, parts.distiller), batches,
+                                 warmup=args.warmup, seconds=args.seconds, max_steps=args.max_steps,
+                                 sync=acc.synchronize, after_warmup=lambda: memory_after_warmup(info.on_gpu))
             loader_cpu_s = _children_cpu_seconds() - cpu0   # warm-up included: the workers start there
             params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in bundle.model.parameters())
             del batches
-    steps, elapsed = timing["timed_steps"], timing["elapsed_s"]
-    samples_per_s = steps * case.micro * info.world_size / elapsed
-    flops = flops_per_sample(config)
-    name = torch.cuda.get_device_name(device) if info.on_gpu else "cpu"   # e.g. 'NVIDIA H200'
-    peak = peak_flops(name, args.precision, args.peak_tflops)   # one device's, at the run's precision
-    row = {"case": case.name, **asdict(case), "precision": args.precision, "ok": True,
-           "device": name, "world_size": info.world_size, "parameters": params,
-           "activation_checkpointing": parts.activation_checkpointing,
-           "build_s": build_s, **timing, "data_wait_fraction": timing["data_wait_s"] / elapsed,
-           "samples_per_s": samples_per_s, "samples_per_s_per_device": samples_per_s / info.world_size,
-           "step_ms": 1e3 * elapsed / steps,
-           "flops_per_sample": flops.to_dict(),
-           "achieved_tflops": flops.train() * samples_per_s / info.world_size / 1e12,
-           "peak_tflops": peak / 1e12 if peak else None,
-           "mfu": mfu_per_device(flops.train(), samples_per_s, info.world_size, peak),
-           "hfu": mfu_per_device(flops.train(case.checkpointing, hardware=True), samples_per_s, info.world_size, peak),
-           "peak_memory_bytes": torch.cuda.max_memory_allocated() if info.on_gpu else None,   # the steps'
-           "build_peak_memory_bytes": build_peak}
+    row = rate_row(case, args, info, device, bundle.model.config, timing)
+    row.update(parameters=params, activation_checkpointing=parts.activation_checkpointing, build_s=build_s,
+               build_peak_memory_bytes=build_peak)
     if loader_mode:
-        fed = (args.warmup + steps) * case.micro   # the workers' CPU covers the warm-up batches too
+        fed = (args.warmup + timing["timed_steps"]) * case.micro   # the workers' CPU covers the warm-up batches too
         row.update(loader_workers=args.loader_workers, loader_cpu_s=loader_cpu_s,
                    loader_samples_per_cpu_s=fed / loader_cpu_s if loader_cpu_s else None,
                    data_images=args.data_images, data_px=args.data_px)
     return row
 
 
+def run_twin(case: Case, args) -> dict:
+    """The plain PyTorch loop (benchmarks/twin.py) on the case's model and batch, built as
+    run_case builds ours (the same preset_bundle on the device, the same tensor_batch, the run's
+    AdamW and clipping); `case.twin` compiled: every encoder layer compiled. -> the row."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    from benchmarks.twin import PlainLoop
+    from rsclip_ds.model import preset_bundle
+
+    with process_group(args.threads) as info, tempfile.TemporaryDirectory() as out_dir:
+        acc = get_accelerator()
+        device = torch.device(acc.device_name(info.local_rank) if info.on_gpu else "cpu")
+        run = case_run(case, args, out_dir)
+        if info.on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        with torch.device(device):
+            bundle = preset_bundle(case.preset, None, run.seed, own_vocabulary=True)
+        batch = tensor_batch(bundle.model.config, case.micro, device, info.rank)
+        loop = PlainLoop(bundle.model, precision=args.precision, optim=run.optim, clip=run.optim.gradient_clipping,
+                         compiled=case.twin == "compiled")
+        build_s = time.perf_counter() - t0
+        build_peak = torch.cuda.max_memory_allocated() if info.on_gpu else None
+        if info.on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        timing = timed_steps(loop.step, itertools.repeat(batch), warmup=args.warmup, seconds=args.seconds,
+                             max_steps=args.max_steps, sync=acc.synchronize,
+                             after_warmup=lambda: memory_after_warmup(info.on_gpu))
+        row = rate_row(case, args, info, device, bundle.model.config, timing)
+    row.update(parameters=sum(p.numel() for p in bundle.model.parameters()), activation_checkpointing=False,
+               build_s=build_s, build_peak_memory_bytes=build_peak)
+    return row
+
+
+def rate_row(case: Case, args, info, device, config, timing: dict) -> dict:
+    """A case's row from its timed steps: samples/s, step time, FLOPs, MFU and HFU, peak memory."""
+    import torch
+
+    from rsclip_ds.planning.flops import flops_per_sample
+
+    steps, elapsed = timing["timed_steps"], timing["elapsed_s"]
+    samples_per_s = steps * case.micro * info.world_size / elapsed
+    flops = flops_per_sample(config)
+    name = torch.cuda.get_device_name(device) if info.on_gpu else "cpu"   # e.g. 'NVIDIA H200'
+    peak = peak_flops(name, args.precision, args.peak_tflops)   # one device's, at the run's precision
+    return {"case": case.name, **asdict(case), "precision": args.precision, "ok": True,
+            "device": name, "world_size": info.world_size, **timing,
+            "data_wait_fraction": timing["data_wait_s"] / elapsed,
+            "samples_per_s": samples_per_s, "samples_per_s_per_device": samples_per_s / info.world_size,
+            "step_ms": 1e3 * elapsed / steps,
+            "flops_per_sample": flops.to_dict(),
+            "achieved_tflops": flops.train() * samples_per_s / info.world_size / 1e12,
+            "peak_tflops": peak / 1e12 if peak else None,
+            "mfu": mfu_per_device(flops.train(), samples_per_s, info.world_size, peak),
+            "hfu": mfu_per_device(flops.train(case.checkpointing, hardware=True), samples_per_s, info.world_size,
+                                  peak),
+            "peak_memory_bytes": torch.cuda.max_memory_allocated() if info.on_gpu else None}   # the steps'
+
+
 def pair_with_tensor(rows: list[dict]) -> list[dict]:
     """Each ok loader row with its ok tensor twin (same preset, profile, checkpointing, micro):
     loader / tensor samples/s (1.0: the data path keeps up) and the loader's data wait."""
     tensor = {(r["preset"], r["profile"], r["checkpointing"], r["micro"]): r for r in rows
-              if r.get("ok") and r.get("data", "tensor") == "tensor" and r.get("variant", "base") == "base"}
+              if r.get("ok") and r.get("data", "tensor") == "tensor" and r.get("variant", "base") == "base"
+              and not r.get("twin")}
     pairs = []
     for r in rows:
         twin = tensor.get((r["preset"], r["profile"], r["checkpointing"], r["micro"]))
@@ -300,7 +383,7 @@ def run_in_process(case: Case, args, timeout: float) -> dict:
                "--ac", "on" if case.checkpointing else "off", "--micro", str(case.micro),
                "--precision", args.precision, "--warmup", str(args.warmup), "--seconds", str(args.seconds),
                "--max-steps", str(args.max_steps), "--threads", str(args.threads), "--data", case.data,
-               "--variants", case.variant]
+               "--variants", case.variant, "--twins", *([case.twin] if case.twin else [])]
         if args.teacher:
             cli += ["--teacher", args.teacher]
         if case.data == "loader":
@@ -333,6 +416,9 @@ def parse_args(argv):
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
                         help="base: the grid; patch_dropout, compile, distill: the same run with that feature on, "
                              "on git-rsclip-base / zero2 / no AC only (benchmarks/gpu_variants.py)")
+    parser.add_argument("--twins", nargs="*", default=list(TWINS), choices=list(TWINS),
+                        help="the plain PyTorch loop (benchmarks/twin.py) on each preset's model and batch: eager, "
+                             "compiled (every encoder layer); none: --twins alone")
     parser.add_argument("--teacher-preset", default=None,
                         help="the distill variant's teacher shape (default git-rsclip-large; tiny with --model tiny)")
     parser.add_argument("--total-budget", type=float, default=560.0,
@@ -344,9 +430,13 @@ def parse_args(argv):
     parser.add_argument("--data-images", type=int, default=2048, help="synthetic JPEGs the loader cases read")
     parser.add_argument("--data-px", type=int, default=256, help="their side in px (256: Git-10M's tiles)")
     parser.add_argument("--open-clip", type=Path, metavar="VENV",
-                        help="run the open_clip comparison instead: open_clip's trainer (amp_bf16, pure_bf16) "
+                        help="run the open_clip comparison instead: open_clip's trainer (--openclip-precisions) "
                              "against rsclip-ds train (zero2, bf16) on one GPU, the shape of the first --model "
-                             "(git-rsclip-base, or tiny for a CPU smoke test); VENV from benchmarks/throughput/openclip_env.sh")
+                             "(git-rsclip-base, or tiny for a CPU smoke test); VENV from "
+                             "benchmarks/throughput/openclip_env.sh, or `kit`: this Python with "
+                             "PYTHONPATH=$OPENCLIP_PYTHONPATH (the GPU kit's wheels: source .gpu/env.sh)")
+    parser.add_argument("--openclip-precisions", nargs="*", default=["amp_bf16", "pure_bf16"],
+                        choices=["amp_bf16", "pure_bf16"], help="--open-clip: open_clip's side")
     parser.add_argument("--openclip-peers", nargs="*", default=["patch_dropout", "compile"],
                         help="--open-clip: features run on both sides at the same setting, against amp_bf16 "
                              "(benchmarks/throughput/openclip_cases.py PEERS)")
@@ -361,11 +451,15 @@ def parse_args(argv):
 
 def openclip_comparison(args) -> int:
     """--open-clip VENV: benchmarks/throughput/openclip.py's comparison on one rank, the same
-    report (JSON + PNG + tables): open_clip_train (VENV's python, `torch.distributed.run
-    --nproc_per_node 1`) with --precision amp_bf16 / pure_bf16 against `deepspeed --num_gpus 1
-    --module rsclip_ds train` with zero2 bf16, the model of openclip_shapes.SHAPES[--model],
-    --micro (default MICRO), --loader-workers workers each, synthetic JPEGs at the model's size;
-    and each of --openclip-peers on both sides (open_clip amp_bf16 against zero2 bf16)."""
+    report (JSON + PNG + tables): open_clip_train (VENV's python, or with `kit` this one with
+    PYTHONPATH=$OPENCLIP_PYTHONPATH; `torch.distributed.run --nproc_per_node 1`) with --precision
+    amp_bf16 / pure_bf16 against `deepspeed --num_gpus 1 --module rsclip_ds train` with zero2 bf16,
+    the model of openclip_shapes.SHAPES[--model], --micro (default MICRO), --loader-workers
+    workers each, synthetic JPEGs at the model's size; and each of --openclip-peers on both sides
+    (open_clip amp_bf16 against zero2 bf16). The report so far is in OUT.partial.json after
+    every run; SIGTERM (a time limit) stops the run under way and leaves it there."""
+    import signal
+
     import torch
     from benchmarks.throughput.openclip import cases as openclip_cases
     from benchmarks.throughput.openclip import compare, one_rank_bench
@@ -374,9 +468,13 @@ def openclip_comparison(args) -> int:
     shape = args.model[0]
     bench = one_rank_bench(shape, args.micro or MICRO.get(shape, 8), args.openclip_steps, args.loader_workers,
                            timeout_s=max(args.case_timeout, 300.0), device="cuda" if torch.cuda.is_available() else "cpu")
-    todo = openclip_cases(["amp_bf16", "pure_bf16"], ["zero2"], ["bf16"], args.openclip_peers)
+    todo = openclip_cases(args.openclip_precisions, ["zero2"], ["bf16"], args.openclip_peers)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # unwinds through launch(), which stops the run
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    partial = args.out.with_suffix(".partial.json")
     report = compare(bench, todo, args.open_clip, Path("runs/bench_data"), Path("runs/bench_openclip"),
-                     say=lambda m: print(m, flush=True))
+                     say=lambda m: print(m, flush=True), partial=partial)
+    partial.unlink(missing_ok=True)
     write_report(report, args.out, page_tables(gpu_tables, args.out.name), plot)
     print(f"wrote {args.out} in {report['seconds']:.0f}s")
     return 0 if all(r["ok"] for r in report["runs"]) else 1
@@ -391,12 +489,13 @@ def main(argv=None) -> int:
     if refused:
         print(refused, file=sys.stderr)
         return 2
-    todo = cases(args.model, args.profiles, [a == "on" for a in args.ac], args.micro, args.data, args.variants)
     if args.worker:   # one case, from its own flags (run_in_process)
-        row = run_case(Case(args.model[0], args.profiles[0], args.ac[0] == "on", args.micro or MICRO.get(args.model[0], 8),
-                            args.data[0], args.variants[0]), args)
-        args.out.write_text(json.dumps(row))
+        case = Case(args.model[0], args.profiles[0], args.ac[0] == "on", args.micro or MICRO.get(args.model[0], 8),
+                    args.data[0], args.variants[0], args.twins[0] if args.twins else "")
+        args.out.write_text(json.dumps(run_twin(case, args) if case.twin else run_case(case, args)))
         return 0
+    todo = cases(args.model, args.profiles, [a == "on" for a in args.ac], args.micro, args.data, args.variants,
+                 args.twins)
     with tempfile.TemporaryDirectory() as data_dir:
         if "loader" in args.data:   # written once: every loader case reads the same shards
             t0 = time.perf_counter()
@@ -437,9 +536,10 @@ def run_cases(todo: list[Case], args) -> dict:
     return {"config": {"models": args.model, "profiles": args.profiles, "ac": args.ac, "precision": args.precision,
                        "warmup": args.warmup, "seconds": args.seconds, "max_steps": args.max_steps,
                        "data": args.data, "loader_workers": args.loader_workers, "data_images": args.data_images,
-                       "data_px": args.data_px, "variants": args.variants},
+                       "data_px": args.data_px, "variants": args.variants, "twins": args.twins},
             "environment": environment(args.threads, device=device), "cases": rows,
             "loader_vs_tensor": pair_with_tensor(rows), "variants_vs_base": pair_with_base(rows),
+            "ours_vs_twin": pair_with_twins(rows),
             "seconds": time.perf_counter() - t0}
 
 

@@ -7,9 +7,10 @@ failure, one JSON to send with a bug report (docs/guides/clusters.md, "First run
 Steps: environment (driver, CUDA, NCCL, nvcc or not, GPUs, topology); the loss and accumulation
 parity tests (reference twins; tests/unit/test_losses.py, test_global_accumulation.py); one
 ZeRO-1/2/3 step each (benchmarks.gpu, a few steps, the tiny model under --smoke); the MFU cases
-(benchmarks.gpu, git-rsclip-base, zero2 and zero3; skipped under --smoke); the planner check
-(`rsclip-ds plan` for this machine's GPUs). The JSON lists, under "gpu_checks", every finding
-that only a GPU can confirm, so the first GPU run closes them or reports them open.
+(benchmarks.gpu, git-rsclip-base, zero2 and zero3, beside the eager plain-loop twin; skipped under
+--smoke); the planner check (`rsclip-ds plan` for this machine's GPUs). The JSON lists, under
+"gpu_checks", every finding that only a GPU can confirm, so the first GPU run closes them or reports
+them open.
 """
 
 from __future__ import annotations
@@ -70,15 +71,18 @@ def environment() -> dict:
 def steps(args, gpus: int, tmp: Path) -> list[tuple[str, list[str]]]:
     """(name, command) in order; each runs from the repository root."""
     py, model = sys.executable, "tiny" if args.smoke else "git-rsclip-base"
-    # --variants base: the feature variants (benchmarks/gpu_variants.py) are benchmarks.gpu's own default run
-    short = ["--seconds", "1", "--max-steps", "2", "--warmup", "2", "--ac", "off", "--model", model, "--variants", "base"]
+    # --variants base: the feature variants (benchmarks/gpu_variants.py) are benchmarks.gpu's own default run;
+    # --twins alone: one step of each stage needs no plain-loop twin
+    short = ["--seconds", "1", "--max-steps", "2", "--warmup", "2", "--ac", "off", "--model", model,
+             "--variants", "base", "--twins"]
     todo = [("parity", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_losses.py",
                         "tests/unit/test_global_accumulation.py"]),
             ("zero_steps", [py, "-m", "benchmarks.gpu", *short, "--profiles", "zero1", "zero2", "zero3",
                             *(["--micro", "2"] if args.smoke else []), "--out", str(tmp / "zero_steps.json")])]
     if not args.smoke:
         todo.append(("mfu", [py, "-m", "benchmarks.gpu", "--model", "git-rsclip-base", "--profiles", "zero2", "zero3",
-                             "--ac", "off", "--seconds", "5", "--variants", "base", "--out", str(tmp / "mfu.json")]))
+                             "--ac", "off", "--seconds", "5", "--variants", "base", "--twins", "eager",
+                             "--out", str(tmp / "mfu.json")]))
     todo.append(("plan", [py, "-m", "rsclip_ds", "plan", "--model", "git-rsclip-base", "--gpus", str(max(gpus, 1)),
                           "--gpu-mem", f"{args.gpu_mem_gib}GiB", "--global-batch", str(32 * max(gpus, 1)), "--json"]))
     return todo

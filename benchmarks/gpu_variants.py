@@ -1,5 +1,5 @@
-"""benchmarks/gpu.py's variants: one case measured again with a feature on, as config overrides on
-the same run (the same model, batch, profile and precision):
+"""benchmarks/gpu.py's variants and twins. A variant: one case measured again with a feature on, as
+config overrides on the same run (the same model, batch, profile and precision):
 
   base           nothing added (the case as the grid measures it)
   patch_dropout  model.patch_dropout=0.5 (FLIP: half the image tokens; rsclip_ds/model.py)
@@ -10,7 +10,11 @@ the same run (the same model, batch, profile and precision):
 
 Variants other than base run on one case only (VARIANT_CASE: git-rsclip-base, ZeRO-2, no
 activation checkpointing, the preset's micro-batch), so the default command adds three cases to
-the grid's eight (~45 s each, compile's first step longer) and stays under 10 minutes on an H200.
+the grid's eight (~45 s each, compile's first step longer).
+
+A twin (TWINS): the plain PyTorch loop of benchmarks/twin.py on a preset's model and batch, eager
+or with every encoder layer compiled, one per preset and micro-batch; pair_with_twins reads each
+of our cases against them (ours / twin samples/s: 1.0 is the floor's speed).
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from pathlib import Path
 from benchmarks.harness import synthetic_data
 
 VARIANTS = ("base", "patch_dropout", "compile", "distill")
+TWINS = ("eager", "compiled")
+# our variants that do the twin's work (the same model, batch and loss): patch dropout halves the
+# image tokens and distillation adds a teacher, so those are read against base, not the twin
+SAME_WORK_AS_TWIN = ("base", "compile")
 TEACHER_PRESET = "git-rsclip-large"
 # (preset, profile, activation checkpointing) of the case the non-base variants run on
 VARIANT_CASE = ("git-rsclip-base", "zero2", False)
@@ -70,7 +78,7 @@ def pair_with_base(rows: list[dict]) -> list[dict]:
     tensor batch): variant / base samples/s and peak memory."""
     key = lambda r: (r["preset"], r["profile"], r["checkpointing"], r["micro"])
     base = {key(r): r for r in rows if r.get("ok") and r.get("data", "tensor") == "tensor"
-            and r.get("variant", "base") == "base"}
+            and r.get("variant", "base") == "base" and not r.get("twin")}
     pairs = []
     for r in rows:
         twin = base.get(key(r)) if r.get("ok") and r.get("variant", "base") != "base" else None
@@ -100,3 +108,26 @@ def teacher_batch(teacher: str, micro: int, device, generator) -> dict:
     return {"teacher_pixel_values": torch.randint(0, 256, (micro, 3, size, size), device=device, generator=generator,
                                                   dtype=torch.uint8),                              # (B,3,T,T)
             "teacher_input_ids": torch.randint(0, vocab, (micro, length), device=device, generator=generator)}  # (B,L_t)
+
+
+def pair_with_twins(rows: list[dict]) -> list[dict]:
+    """Each ok row of ours on the tensor batch doing the twin's work (SAME_WORK_AS_TWIN; any
+    profile, with or without checkpointing) with the ok twins of its preset and micro-batch: our
+    samples/s over each twin's, beside both MFUs. A twin that failed or was skipped gives None."""
+    key = lambda r: (r["preset"], r["micro"])
+    twins = {(key(r), r["twin"]): r for r in rows if r.get("ok") and r.get("twin")}
+    pairs = []
+    for r in rows:
+        if (not r.get("ok") or r.get("twin") or r.get("data", "tensor") != "tensor"
+                or r.get("variant", "base") not in SAME_WORK_AS_TWIN):
+            continue
+        pair = {"case": r["case"], "variant": r.get("variant", "base"), "samples_per_s": r["samples_per_s"],
+                "mfu": r.get("mfu")}
+        for name in TWINS:
+            twin = twins.get((key(r), name))
+            pair.update({f"twin_{name}_samples_per_s": twin["samples_per_s"] if twin else None,
+                         f"twin_{name}_mfu": twin.get("mfu") if twin else None,
+                         f"over_twin_{name}": r["samples_per_s"] / twin["samples_per_s"] if twin else None})
+        if any(pair[f"over_twin_{name}"] is not None for name in TWINS):
+            pairs.append(pair)
+    return pairs

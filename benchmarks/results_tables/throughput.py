@@ -97,6 +97,16 @@ def _gpu_cases(rep: dict) -> list[str]:
                      [[p["case"], p["variant"], sig(p["base_samples_per_s"], 4), sig(p["variant_samples_per_s"], 4),
                        fix(p["variant_over_base"], 3), fix(p["peak_memory_ratio"], 2) if p["peak_memory_ratio"] else "-"]
                       for p in rep["variants_vs_base"]])
+    if rep.get("ours_vs_twin"):
+        out += ["Ours against the plain PyTorch twin (`benchmarks/twin.py`) on the same model and batch: samples/s "
+                "ours / the twin's (1.00: the floor's speed), MFU beside:", ""]
+        out += table(["case", "samples/s", "MFU", "twin eager samples/s", "twin eager MFU", "ours / eager",
+                      "twin compiled samples/s", "twin compiled MFU", "ours / compiled"],
+                     [[p["case"], sig(p["samples_per_s"], 4), pct(p["mfu"], 1),
+                       sig(p["twin_eager_samples_per_s"], 4), pct(p["twin_eager_mfu"], 1), fix(p["over_twin_eager"], 3),
+                       sig(p["twin_compiled_samples_per_s"], 4), pct(p["twin_compiled_mfu"], 1),
+                       fix(p["over_twin_compiled"], 3)]
+                      for p in rep["ours_vs_twin"]])
     if rep.get("hybrid_vs_zero3"):
         out += table(["case", "samples/s vs zero3", "final loss", "zero3 final loss"],
                      [[p["case"], fix(p["speed_vs_zero3"], 3), fix(p["final_loss"], 4), fix(p["zero3_final_loss"], 4)]
@@ -105,8 +115,8 @@ def _gpu_cases(rep: dict) -> list[str]:
 
 
 def gpu(files: dict) -> list[str]:
-    """benchmarks/gpu.py's reports: its cases (and the loader and hybrid pairings when run), or,
-    from --open-clip, the open_clip comparison."""
+    """benchmarks/gpu.py's reports: its cases (and the loader, variant, twin and hybrid pairings
+    when run), or, from --open-clip, the open_clip comparison."""
     if not files:
         return ["Not measured yet: none of these files is in `benchmarks/results/`.", ""]
     out = []

@@ -1,11 +1,13 @@
 """benchmarks/gpu.py on CPU with the tiny preset, in its smallest case, so the GPU script cannot rot.
 
-One launch (~30 s on 2 idle cores, mostly imports and engine builds): ZeRO-2 without activation
-checkpointing, three cases each in its own process as on a GPU -- a batch in memory (tensor), its
-patch-dropout variant, and the same case fed by the Trainer's own loader from 64 JPEGs through one
-worker. Checks what each case measured against numbers computed here: the parameters its engine
-holds against the model's count, the FLOPs per sample it reports against torch's FLOP counter on
-a forward of the same model, and the pairs the report derives (loader / tensor, variant / base).
+One launch (~40 s on 2 idle cores, mostly imports and engine builds): ZeRO-2 without activation
+checkpointing, four cases each in its own process as on a GPU -- a batch in memory (tensor), the
+plain PyTorch twin of the step on the same model and batch (eager: the compiled twin compiles for
+~90 s on these cores; benchmarks/gpu_step.sh's CPU form runs it), the case's patch-dropout variant,
+and the same case fed by the Trainer's own loader from 64 JPEGs through one worker. Checks what
+each case measured against numbers computed here: the parameters its engine holds against the
+model's count, the FLOPs per sample it reports against torch's FLOP counter on a forward of the
+same model, and the pairs the report derives (loader / tensor, variant / base, ours / twin).
 That ZeRO stages give the same losses, and a distillation teacher in a real launch, are
 tests/integration/test_launch.py's.
 """
@@ -29,22 +31,23 @@ pytestmark = pytest.mark.slow
 def report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("gpu")
     return run_benchmark("gpu", "--model", "tiny", "--profiles", "zero2", "--ac", "off", "--data", "tensor", "loader",
-                         "--variants", "base", "patch_dropout", "--data-images", "64", "--data-px", "64",
+                         "--variants", "base", "patch_dropout", "--twins", "eager", "--data-images", "64",
+                         "--data-px", "64",
                          "--loader-workers", "1", "--warmup", "1", "--seconds", "0.5", "--max-steps", "2",
                          out=tmp / "gpu_tiny.json", ranks=None, timeout=400)
 
 
-def _case(report: dict, data: str = "tensor", variant: str = "base") -> dict:
-    return next(c for c in report["cases"] if (c["data"], c["variant"]) == (data, variant))
+def _case(report: dict, data: str = "tensor", variant: str = "base", twin: str = "") -> dict:
+    return next(c for c in report["cases"] if (c["data"], c["variant"], c["twin"]) == (data, variant, twin))
 
 
 def test_every_case_trained_the_counted_model(report):
     psi = sum(p.numel() for p in new_dual_encoder(preset_config("tiny")).parameters())
-    assert [(c["data"], c["variant"]) for c in report["cases"]] == [("tensor", "base"), ("tensor", "patch_dropout"),
-                                                                   ("loader", "base")]
+    assert [(c["data"], c["variant"], c["twin"]) for c in report["cases"]] == [
+        ("tensor", "base", ""), ("tensor", "base", "eager"), ("tensor", "patch_dropout", ""), ("loader", "base", "")]
     for r in report["cases"]:
         assert r["ok"], r
-        assert (r["profile"], r["precision"], r["world_size"]) == ("zero2", "bf16", 1)
+        assert (r["profile"], r["precision"], r["world_size"]) == ("plain" if r["twin"] else "zero2", "bf16", 1)
         assert r["parameters"] == psi
         assert 1 <= r["timed_steps"] <= 2 and r["samples_per_s"] > 0
         assert math.isfinite(r["first_loss"]) and math.isfinite(r["final_loss"])
@@ -75,3 +78,25 @@ def test_the_pairs_are_the_quotients_of_their_cases(report):
     assert variant["first_loss"] != tensor["first_loss"]   # the override reached the model
     [pair] = report["variants_vs_base"]
     assert pair["variant_over_base"] == pytest.approx(variant["samples_per_s"] / tensor["samples_per_s"])
+
+
+def test_the_twin_trained_the_same_model_on_the_same_batch_and_ours_is_read_against_it(report):
+    """The plain loop's process built the same seeded model and the same uint8 batch: its first
+    loss (before any update) is ours up to bf16 rounding. ours_vs_twin is our rate over its rate,
+    and the results table shows it beside MFU."""
+    from benchmarks.results_tables.format import sig
+    from benchmarks.results_tables.throughput import gpu as gpu_tables
+
+    ours, twin = _case(report), _case(report, twin="eager")
+    assert twin["case"] == "tiny/twin-eager/micro8" and twin["flops_per_sample"] == ours["flops_per_sample"]
+    assert math.isfinite(twin["first_loss"]) and math.isfinite(twin["final_loss"])
+    assert twin["first_loss"] == pytest.approx(ours["first_loss"], rel=2e-3)
+    [pair] = report["ours_vs_twin"]   # the patch-dropout variant does other work: not paired
+    assert pair["case"] == ours["case"] and pair["twin_compiled_samples_per_s"] is None
+    assert pair["over_twin_eager"] == pytest.approx(ours["samples_per_s"] / twin["samples_per_s"])
+    page = "\n".join(gpu_tables({"gpu_tiny.json": report}))
+    rate = lambda r: sig(r["samples_per_s"], 4)
+    assert f"| {twin['case']} | {rate(twin)} |" in page   # a row of the cases table
+    # CPU: no MFU; no compiled twin in this launch
+    ratio = f"{pair['over_twin_eager']:.3f}"
+    assert f"| {ours['case']} | {rate(ours)} | - | {rate(twin)} | - | {ratio} | - | - | - |" in page

@@ -129,3 +129,50 @@ def test_variant_overrides_and_their_pairing_with_the_base_case():
     [pair] = pair_with_base(rows)
     assert (pair["case"], pair["variant"], pair["variant_over_base"], pair["peak_memory_ratio"]) == \
         ("b", "patch_dropout", 1.5, 0.6)
+
+
+def test_each_presets_twins_follow_its_first_case_before_the_variants(gpu):
+    """One eager and one compiled plain-loop case per preset (no profile, no checkpointing), right
+    after the preset's first case: the floor measured next to the case first read against it."""
+    todo = gpu.cases(["git-rsclip-base", "git-rsclip-large"], ["zero2", "zero3"], [False], None, ["tensor"],
+                     ["base", "compile"], ["eager", "compiled"])
+    assert [c.name for c in todo] == [
+        "git-rsclip-base/zero2/no-ac/micro256", "git-rsclip-base/twin-eager/micro256",
+        "git-rsclip-base/twin-compiled/micro256", "git-rsclip-base/zero2/no-ac/micro256/+compile",
+        "git-rsclip-base/zero3/no-ac/micro256",
+        "git-rsclip-large/zero2/no-ac/micro128", "git-rsclip-large/twin-eager/micro128",
+        "git-rsclip-large/twin-compiled/micro128", "git-rsclip-large/zero3/no-ac/micro128"]
+    assert {(c.profile, c.checkpointing, c.variant) for c in todo if c.twin} == {("plain", False, "base")}
+    assert not any(c.twin for c in gpu.cases(["tiny"], ["zero2"], [True], None))   # none unless asked for
+
+
+def test_ours_over_the_twin_is_our_rate_over_each_twins_and_renders(gpu):
+    """Every case of ours doing the twin's work (any profile, the compile variant) is divided by the
+    twins of its preset and micro-batch; patch dropout (other work), loader cases and a preset
+    without twins are not; a failed twin gives no ratio. The table shows both ratios beside MFU."""
+    from benchmarks.gpu_variants import pair_with_twins
+    from benchmarks.results_tables.throughput import gpu as gpu_tables
+
+    base = {"preset": "p", "micro": 8, "checkpointing": False, "ok": True, "data": "tensor", "variant": "base",
+            "twin": "", "mfu": 0.10, "hfu": 0.10, "step_ms": 1.0, "achieved_tflops": 1.0, "peak_memory_bytes": None,
+            "device": "NVIDIA H200", "data_wait_fraction": 0.0}
+    rows = [{**base, "case": "p/zero2", "profile": "zero2", "samples_per_s": 900.0},
+            {**base, "case": "p/twin-eager", "profile": "plain", "twin": "eager", "samples_per_s": 1800.0, "mfu": 0.2},
+            {**base, "case": "p/twin-compiled", "profile": "plain", "twin": "compiled", "ok": False, "error": "x"},
+            {**base, "case": "p/zero3/ac", "profile": "zero3", "checkpointing": True, "samples_per_s": 450.0},
+            {**base, "case": "p/zero2/+compile", "profile": "zero2", "variant": "compile", "samples_per_s": 1200.0},
+            {**base, "case": "p/zero2/+pd", "profile": "zero2", "variant": "patch_dropout", "samples_per_s": 2000.0},
+            {**base, "case": "p/zero2/loader", "profile": "zero2", "data": "loader", "samples_per_s": 800.0},
+            {**base, "case": "q/zero2", "preset": "q", "profile": "zero2", "samples_per_s": 5.0}]
+    pairs = pair_with_twins(rows)
+    assert [p["case"] for p in pairs] == ["p/zero2", "p/zero3/ac", "p/zero2/+compile"]
+    assert [p["over_twin_eager"] for p in pairs] == [0.5, 0.25, pytest.approx(2 / 3)]
+    assert all(p["over_twin_compiled"] is None and p["twin_compiled_samples_per_s"] is None for p in pairs)
+    assert pairs[0]["twin_eager_mfu"] == 0.2 and pairs[0]["mfu"] == 0.10
+    rows[2].pop("error")   # a compiled twin that ran
+    rows[2].update(ok=True, samples_per_s=3600.0, mfu=0.4)
+    assert [p["over_twin_compiled"] for p in pair_with_twins(rows)] == [0.25, 0.125, pytest.approx(1 / 3)]
+    page = "\n".join(gpu_tables({"gpu_h200_base.json": {"config": {"precision": "bf16"}, "cases": rows,
+                                                        "ours_vs_twin": pair_with_twins(rows)}}))
+    assert "| p/zero2 | 900.0 | 10.0% | 1,800 | 20.0% | 0.500 | 3,600 | 40.0% | 0.250 |" in page
+    assert "| p/twin-eager | 1,800 |" in page   # the twins are rows of the cases table too
