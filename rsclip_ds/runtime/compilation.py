@@ -1,13 +1,33 @@
-"""The `compile` section: torch.compile of the model through DeepSpeed's engine, for training.
+"""The `compile` section: torch.compile of the model for training, layer by layer (regional) or whole.
 
-`apply_compile(engine, cfg)` calls `DeepSpeedEngine.compile(backend, compile_kwargs)`. Without
-DeepSpeed's DeepCompile (0.19.8 enables it on CUDA only, and rsclip_ds does not switch it on),
-that is `engine.module.compile(...)`: torch.compile of the DualEncoder's call, lazily -- the
-graphs are traced and compiled in the first training forward and backward. The optimizer step,
-ZeRO's gradient reduction and the loss scaler stay eager; the contrastive loss (train.py) runs
-outside the module, eager too.
+`apply_compile(model, cfg, zero_stage=...)` runs before deepspeed.initialize and compiles lazily --
+the graphs are traced and compiled in the first training forward and backward.
 
-What the compiled module sees, and why it does not recompile from step to step:
+scope 'layers' (the default; torch's regional-compilation recipe): the forward of every encoder
+layer of both towers (`{vision,text}_model.encoder.layers`) is compiled in place. The layers of a
+tower share one code object and one shape, so dynamo compiles one graph per tower (and grad mode)
+and every layer reuses it: compile time is that of one layer per tower, not of the model (measured
+in docs/guides/pretraining.md#compilation). The embeddings, the pooling head, the pixel
+normalisation and patch dropout run eager; the blocks -- nearly all the FLOPs -- run compiled.
+The layer's `forward` is compiled, not its `__call__` (what `layer.compile()` would do): module
+hooks stay eager around the compiled body. Under ZeRO-3 that matters: DeepSpeed gathers and
+releases partitioned parameters in pre/post-forward hooks on every submodule. The layers are made
+ZeRO-3 leaves (`deepspeed.utils.set_z3_leaf_module`: the layer's own hook gathers its whole
+subtree, no hooks below it), so the compiled body sees gathered parameters and no hooks: one graph
+per tower, as under ZeRO-1/2. Measured on 2 CPU ranks (tiny, aot_eager, every parameter
+partitioned): losses and weights bit-equal to eager ZeRO-3; without the leaves each submodule's
+hook breaks the graph (28 graphs instead of 4); compiling `__call__` traces the layer's own
+hooks (10 graphs, 26 recompiles in step 1).
+
+scope 'model': `model.compile(...)` (what `DeepSpeedEngine.compile` does without DeepCompile,
+which 0.19.8 enables on CUDA only): the whole DualEncoder's call in one graph (graph breaks
+where patch dropout draws its patches). ZeRO-1/2 only: under ZeRO-3 it traces the partitioned
+(empty) parameters.
+
+Either way the optimizer step, ZeRO's gradient reduction and the loss scaler stay eager; the
+contrastive loss (train.py) runs outside the module, eager too.
+
+What the compiled code sees, and why it does not recompile from step to step:
   * fixed shapes: every micro-batch is (micro, 3, S, S) uint8 and (micro, L) ids, and patch
     dropout keeps the same count of tokens; `dynamic=False` compiles them as static shapes
     instead of a second, dynamic graph when a shape changes;
@@ -38,10 +58,13 @@ log = logging.getLogger("rsclip_ds")
 
 
 class CompileConfig(Strict):
-    enabled: bool = Field(False, description="Compile the model with torch.compile through DeepSpeed's "
-                          "engine (`DeepSpeedEngine.compile`) for training; evaluation stays eager. ZeRO-1/2 "
-                          "only (ZeRO-3 is refused: docs/guides/pretraining.md#compilation). The first step "
+    enabled: bool = Field(False, description="Compile the model with torch.compile for training; evaluation stays "
+                          "eager. Off until a GPU run has shown it equal to eager and faster. The first step "
                           "includes the compilation; the start-up line says how long it took.")
+    scope: Literal["layers", "model"] = Field("layers", description="'layers': compile each encoder layer of both "
+                                              "towers (regional: one graph per tower, reused by every layer; "
+                                              "ZeRO-1/2/3). 'model': the whole dual encoder in one graph (longer "
+                                              "to compile; ZeRO-1/2 only). docs/guides/pretraining.md#compilation.")
     backend: str = Field("inductor", description="torch.compile backend: 'inductor' (generated kernels; needs a "
                          "C++ compiler on CPU), 'aot_eager' (traced graphs run by eager kernels: checks the "
                          "capture, no speed-up), or any name in torch.compiler.list_backends().")
@@ -60,15 +83,15 @@ def refusal(cfg: CompileConfig, *, zero_stage: int, on_gpu: bool) -> str | None:
     if cfg.backend not in backends:
         return (f"compile.backend={cfg.backend!r} is not a torch.compile backend here; choose one of "
                 f"{', '.join(sorted(b for b in backends if not b.endswith('TESTING_ONLY')))}")
-    if zero_stage == 3:
-        # plain torch.compile traces the module with ZeRO-3's partitioned parameters (0-element
-        # placeholders that DeepSpeed's hooks gather around each submodule's forward): measured
-        # here, "RuntimeError: b must be 2D" in the attention-pooling head's in_proj. DeepSpeed's
-        # answer is DeepCompile (its own ZeRO-3 graph passes), CUDA-only in 0.19.8 and not wired here.
-        return ("compile.enabled=true does not work with ZeRO-3: torch.compile traces the partitioned "
-                "(empty) parameters that ZeRO-3 gathers only around each submodule's forward (measured: "
-                "'b must be 2D' in the attention-pooling head). Use profile=zero1 or zero2 with compile, "
-                "or set compile.enabled=false for ZeRO-3")
+    if zero_stage == 3 and cfg.scope == "model":
+        # torch.compile of the whole module traces ZeRO-3's partitioned parameters (0-element
+        # placeholders that DeepSpeed's hooks gather only around each submodule's forward): measured
+        # here, "RuntimeError: b must be 2D" in the attention-pooling head's in_proj. The layers scope
+        # compiles inside the hooks, on gathered parameters (module docstring).
+        return ("compile.scope=model does not work with ZeRO-3: torch.compile of the whole module traces the "
+                "partitioned (empty) parameters that ZeRO-3 gathers only around each submodule's forward "
+                "(measured: 'b must be 2D' in the attention-pooling head). Use compile.scope=layers (the "
+                "default), or profile=zero1/zero2 for scope=model")
     if cfg.mode in ("reduce-overhead", "max-autotune") and not on_gpu:
         return (f"compile.mode={cfg.mode} captures CUDA graphs, which CPU ranks do not have: drop "
                 f"compile.mode, or use 'max-autotune-no-cudagraphs'")
@@ -83,13 +106,34 @@ def available_backends() -> list[str]:
     return list(torch.compiler.list_backends(exclude_tags=()))
 
 
-def apply_compile(engine, cfg: CompileConfig) -> None:
-    """Compile ``engine``'s module in place (lazily: the work happens in the first forward and
-    backward). Call after deepspeed.initialize, before the first step."""
-    kwargs: dict[str, Any] = {"dynamic": cfg.dynamic}
+def encoder_layers(model) -> list:
+    """The transformer blocks of both towers, vision first: what scope 'layers' compiles."""
+    return [layer for tower in (model.vision_model, model.text_model) for layer in tower.encoder.layers]
+
+
+def apply_compile(model, cfg: CompileConfig, *, zero_stage: int) -> None:
+    """Compile ``model`` (a DualEncoder) in place, lazily: the work happens in the first forward and
+    backward. Call before deepspeed.initialize: under ZeRO-3 the layers must be leaves before the
+    engine registers its hooks."""
+    import torch
+
+    kwargs: dict[str, Any] = {"backend": cfg.backend, "dynamic": cfg.dynamic}
     if cfg.mode is not None:
         kwargs["mode"] = cfg.mode
-    engine.compile(backend=cfg.backend, compile_kwargs=kwargs)
+    if cfg.scope == "model":
+        model.compile(**kwargs)   # what DeepSpeedEngine.compile does without DeepCompile
+        return
+    layers = encoder_layers(model)
+    for layer in layers:
+        # the bound forward (transformers' checkpointing wrapper around the block), not __call__:
+        # hooks stay eager. One code object for all layers: dynamo reuses a graph across layers of
+        # one shape (inline_inbuilt_nn_modules: parameters are graph inputs, not guarded constants)
+        layer.forward = torch.compile(layer.forward, **kwargs)
+    if zero_stage == 3:
+        from deepspeed.utils import set_z3_leaf_module
+
+        for layer in layers:   # gathered whole at the layer's own hook: no hooks inside the compiled body
+            set_z3_leaf_module(layer, True)
 
 
 def eager_hook(hook: Callable[[int, Any], Any]) -> Callable[[int, Any], Any]:
@@ -108,10 +152,10 @@ def compile_line(cfg: CompileConfig, first_step_s: float, step_s: float | None) 
     """The start-up line's compile part and the summary's record. torch.compile works lazily, in
     the first step: its cost is measured as the first step's time minus a later step's (the
     mean after step 1), so it also holds the first step's other lazy work (small next to it)."""
-    record = {"backend": cfg.backend, "mode": cfg.mode or "default", "first_step_s": first_step_s,
+    record = {"scope": cfg.scope, "backend": cfg.backend, "mode": cfg.mode or "default", "first_step_s": first_step_s,
               "step_s": step_s, "compile_s": None if step_s is None else max(0.0, first_step_s - step_s)}
     after = f"{step_s:.2f} s per step after" if step_s is not None else "no later step to compare"
     what = f"~{record['compile_s']:.1f} s compilation, " if step_s is not None else ""
-    return (f"compile: {cfg.backend} (mode {record['mode']}), {what}first step {first_step_s:.1f} s vs {after}",
-            record)
+    return (f"compile: {cfg.scope}, {cfg.backend} (mode {record['mode']}), {what}first step {first_step_s:.1f} s "
+            f"vs {after}", record)
 
