@@ -1,23 +1,27 @@
-"""compile.enabled (rsclip_ds/runtime/compilation.py): the Trainer's compiled run against the eager run on 2
-forked gloo ranks (ZeRO-2, fp32, tiny preset), and the refused combinations.
+"""compile.enabled (rsclip_ds/runtime/compilation.py): regional compilation (each encoder layer) against
+eager in one process under 'global' accumulation and patch dropout; the Trainer's compiled runs against
+its eager run on 2 forked gloo ranks (ZeRO-2: both scopes; ZeRO-3: layers, every parameter partitioned);
+the refused combinations.
 
 The backend here is 'aot_eager': torch.compile's capture (dynamo) and autograd tracing (AOT
 autograd), run by eager kernels -- the whole path the Trainer wires, in seconds. inductor generates
-kernels (80 s for the tiny model on one CPU core): measured by the removed benchmarks/throughput/compile.py
-(docs/results/throughput.md#compile).
+kernels (tiny on one CPU core: ~25 s for the layers, ~80 s for the whole model, measured in
+docs/guides/pretraining.md#compilation).
 Tolerance: rtol 1e-5 on fp32 losses (aot_eager runs the same kernels, measured bit-equal; inductor
 reorders float sums: 1e-7 relative measured on `tiny`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 import torch
 
 from rsclip_ds.config import ConfigError, load_config
-from rsclip_ds.runtime.compilation import CompileConfig, eager_hook, refusal
+from rsclip_ds.model import apply_activation_checkpointing, apply_patch_dropout, new_dual_encoder, preset_config
+from rsclip_ds.runtime.compilation import CompileConfig, apply_compile, eager_hook, encoder_layers, refusal
 from tests.unit.forked_ranks import run_ranks
 
 MICRO = 4
@@ -39,16 +43,88 @@ def _graphs() -> int:
 
 class _Recompiles(logging.Handler):
     """Counts dynamo's recompile reports (the `recompiles` log artifact: TORCH_LOGS=recompiles), one per
-    recompiled frame, with or without a new graph."""
+    recompiled frame, with or without a new graph. A context manager: leaving detaches it."""
+
+    LOGGER = "torch._dynamo.guards.__recompiles"
 
     def __init__(self):
         super().__init__()
         self.messages: list[str] = []
         torch._logging.set_logs(recompiles=True)
-        logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(self)
+        logging.getLogger(self.LOGGER).addHandler(self)
 
     def emit(self, record):
         self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger(self.LOGGER).removeHandler(self)
+        torch._logging.set_logs()
+
+
+def _tiny(dropout: float = 0.5):
+    """The tiny DualEncoder as the Trainer prepares it: activation checkpointing, patch dropout."""
+    model = new_dual_encoder(preset_config("tiny"), seed=0).train()
+    apply_activation_checkpointing(model)
+    apply_patch_dropout(model, dropout)
+    return model
+
+
+def test_regional_compile_reuses_one_graph_per_tower_and_equals_eager_under_global_accumulation():
+    """scope 'layers' in one process, no DeepSpeed: 'global' accumulation (2 micro-batches: a no-grad pass,
+    then the replay under the restored RNG, so patch dropout keeps the same patches) with activation
+    checkpointing. Loss and every gradient equal the eager twin's; 4 graphs for 4 layers (vision and text
+    x no-grad and grad: the 2 layers of a tower share theirs), all made in step 1; switching patch dropout
+    off compiles the vision tower's new shape once (2 graphs), then nothing more. About 5 s."""
+    from torch._dynamo.utils import counters
+
+    from rsclip_ds.losses import siglip_loss
+    from rsclip_ds.train import train_step_global
+    from tests.helpers import LocalEngine
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, compiled = _tiny(), _tiny()
+    apply_compile(compiled, CompileConfig(enabled=True, backend="aot_eager"), zero_stage=2)
+    assert len(encoder_layers(compiled)) == 4
+    g = torch.Generator().manual_seed(0)
+    seen = []
+    with _Recompiles() as recompiles:
+        for step in range(5):
+            if step == 3:   # what PatchDropoutSwitch does for the last steps
+                eager.patch_dropout.enabled = compiled.patch_dropout.enabled = False
+            batches = [{"pixel_values": torch.randint(0, 256, (MICRO, 3, 64, 64), dtype=torch.uint8, generator=g),
+                        "input_ids": torch.randint(0, 1000, (MICRO, 40), generator=g)} for _ in range(2)]
+            out = {}
+            for name, model in (("eager", eager), ("compiled", compiled)):
+                model.zero_grad(set_to_none=True)
+                torch.manual_seed(step)   # the same patches drawn for both
+                loss = train_step_global(LocalEngine(model), batches, siglip_loss, torch.float32)
+                out[name] = (loss, {n: p.grad for n, p in model.named_parameters()})
+            torch.testing.assert_close(out["compiled"][0], out["eager"][0], rtol=1e-5, atol=0)
+            for n, grad in out["eager"][1].items():
+                torch.testing.assert_close(out["compiled"][1][n], grad, rtol=1e-5, atol=1e-7, msg=n)
+            seen.append((_graphs(), len(recompiles.messages)))
+    assert seen[0][0] == 4 and seen[1:3] == [seen[0]] * 2, (seen, recompiles.messages)
+    assert seen[3][0] == 6 and seen[4] == seen[3], (seen, recompiles.messages)
+    # why step 1 recompiled: the other tower's shape, the other grad mode -- nothing that changes per step
+    assert all("size mismatch" in m or "grad_mode" in m for m in recompiles.messages), recompiles.messages
+    torch._dynamo.reset()
+
+
+def test_under_zero3_the_compiled_layers_become_leaves_and_under_zero2_nothing_else_changes():
+    """ZeRO-3 gathers a leaf's whole subtree at the leaf's own hook and puts no hooks below it: the
+    compiled layer body sees gathered parameters and no hooks. Nothing is compiled here (lazy)."""
+    from deepspeed.utils import get_z3_leaf_modules
+
+    for stage, leaves in ((2, 0), (3, 4)):
+        model = _tiny(0.0)
+        apply_compile(model, CompileConfig(enabled=True, backend="aot_eager"), zero_stage=stage)
+        assert get_z3_leaf_modules(model) == (encoder_layers(model) if leaves else [])
+        assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in encoder_layers(model))
+        assert not hasattr(model.vision_model.embeddings.forward, "_torchdynamo_orig_callable")   # eager
 
 
 def _eval_forward(step: int, engine) -> None:
@@ -61,61 +137,95 @@ def _eval_forward(step: int, engine) -> None:
     engine.train()
 
 
-def _train(rank: int, world: int, out: str, tokenizer, compiled: bool) -> dict:
+def _weights(engine) -> float:
+    """Sum of the full fp32 master weights (a collective under ZeRO-3: every rank calls it)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return sum(safe_get_full_fp32_param(p).double().sum().item() for p in engine.module.parameters())
+
+
+def _train(rank: int, world: int, out: str, tokenizer, profile: str, scope: str | None) -> dict:
     from torch._dynamo.utils import counters
 
     from rsclip_ds.model import preset_bundle
     from rsclip_ds.trainer import Trainer
 
     counters.clear()
+    compiled = [f"compile.enabled={str(scope is not None).lower()}", f"compile.scope={scope or 'layers'}"]
     run = load_config(None, [
-        "profile=zero2", "precision=fp32", "steps=4", "seed=0", f"output_dir={out}", "optim.warmup_steps=2",
+        f"profile={profile}", "precision=fp32", "steps=4", "seed=0", f"output_dir={out}", "optim.warmup_steps=2",
         f"batch.micro_batch_size={MICRO}", "batch.gradient_accumulation_steps=2", "batch.accumulation=global",
         "model.patch_dropout=0.5", "model.activation_checkpointing=true", "checkpoint.every=2",
-        "checkpoint.at_end=false", "logging.progress=plain", "logging.log_every=1",
-        f"compile.enabled={str(compiled).lower()}", "compile.backend=aot_eager"])
+        "checkpoint.at_end=false", "logging.progress=plain", "logging.log_every=1", *compiled,
+        "compile.backend=aot_eager"])
     graphs: dict[int, tuple[int, int]] = {}
-    recompiles = _Recompiles()
+    with _Recompiles() as recompiles:
+        def count(step: int, engine) -> None:   # after each optimizer step (and the save's step)
+            graphs[step] = (_graphs(), len(recompiles.messages))
 
-    def count(step: int, engine) -> None:   # after each optimizer step (and the save's step)
-        graphs[step] = (_graphs(), len(recompiles.messages))
-
-    hooks = [count, eager_hook(_eval_forward)]
-    with Trainer(run, model=preset_bundle("tiny", tokenizer, 0), loader=_batches(len(tokenizer), rank),
-                 hooks=hooks) as trainer:
-        summary = trainer.train()
-        keys = sorted(trainer.parts.engine.module.state_dict())
+        hooks = [count, eager_hook(_eval_forward)]
+        with Trainer(run, model=preset_bundle("tiny", tokenizer, 0), loader=_batches(len(tokenizer), rank),
+                     hooks=hooks) as trainer:
+            summary = trainer.train()
+            keys = sorted(trainer.parts.engine.module.state_dict())
+            weights = _weights(trainer.parts.engine)
     return {"losses": summary and summary["losses"], "lrs": summary and summary["lrs"],
             "compile": summary and summary.get("compile"), "graphs": [graphs[s] for s in sorted(graphs)],
-            "keys": keys[:3] + keys[-3:], "recompiles": recompiles.messages}
+            "keys": keys[:3] + keys[-3:], "recompiles": recompiles.messages, "weights": weights}
 
 
-@pytest.mark.slow   # ~20 s of capture and AOT tracing on 2 cores: not for the quick loop
-def test_compiled_losses_equal_eager_and_nothing_recompiles_after_step_1(tmp_path, tiny_tokenizer):
-    """2 ranks, ZeRO-2, 'global' accumulation (a no-grad pass and a replay per micro-batch) with patch
-    dropout 0.5 (the kept patches drawn eagerly: the replay gets the same masks) and activation
-    checkpointing; the lr changes (warmup, then cosine), checkpoints are saved at steps 2 and 4, and an
-    eval-mode forward of other shapes runs after each step (through eager_hook, as the Trainer runs the
-    evaluation). About 40 s on 2 idle cores (compiling step 1 is most of it)."""
-    eager = run_ranks(_train, 2, tmp_path / "eager", str(tmp_path / "eager_run"), tiny_tokenizer, False,
-                      launcher_env=True, timeout=300)
-    compiled = run_ranks(_train, 2, tmp_path / "compiled", str(tmp_path / "compiled_run"), tiny_tokenizer, True,
-                         launcher_env=True, timeout=300)
-    for r in eager + compiled:
-        assert "error" not in r, r.get("traceback")
-    e, c = eager[0]["value"], compiled[0]["value"]
+def _zero3_every_parameter_partitioned(folder) -> str:
+    """ds_profiles/zero3.json with stage3_param_persistence_threshold 0: tiny's parameters (all under
+    the default 1e5 elements) would otherwise stay whole on every rank and no hook would gather one."""
+    from rsclip_ds.profiles import resolve_profile_path
+
+    profile = json.loads(resolve_profile_path("zero3").read_text())
+    profile["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    path = folder / "zero3_partitioned.json"
+    path.write_text(json.dumps(profile))
+    return str(path)
+
+
+@pytest.mark.slow   # 2 ranks, 2-3 Trainer runs of a few seconds each plus step 1's capture: ~1-2 min on 2 cores
+@pytest.mark.parametrize("profile, scopes, graphs", [("zero2", ("layers", "model"), None), ("zero3", ("layers",), 4)])
+def test_compiled_losses_equal_eager_and_nothing_recompiles_after_step_1(tmp_path, tiny_tokenizer, profile, scopes,
+                                                                         graphs):
+    """2 ranks, 'global' accumulation (a no-grad pass and a replay per micro-batch) with patch dropout 0.5
+    (the kept patches drawn eagerly: the replay gets the same masks) and activation checkpointing; the lr
+    changes (warmup, then cosine), checkpoints are saved at steps 2 and 4, and an eval-mode forward of other
+    shapes runs after each step (through eager_hook, as the Trainer runs the evaluation). ZeRO-2 compiles
+    both scopes; ZeRO-3 (every parameter partitioned, gathered by DeepSpeed's hooks) the layers, which
+    apply_compile makes ZeRO-3 leaves: 4 graphs, as without DeepSpeed (without the leaves each submodule's
+    hook broke the graph: 28). Losses and final weights equal eager's."""
+    if profile == "zero3":
+        profile = _zero3_every_parameter_partitioned(tmp_path)
+    runs = {}
+    for scope in (None, *scopes):
+        name = scope or "eager"
+        runs[name] = run_ranks(_train, 2, tmp_path / name, str(tmp_path / f"{name}_run"), tiny_tokenizer, profile,
+                               scope, launcher_env=True, timeout=300)
+        for r in runs[name]:
+            assert "error" not in r, r.get("traceback")
+    e = runs["eager"][0]["value"]
     assert e["lrs"][1] != e["lrs"][0] and e["lrs"][3] != e["lrs"][2]   # warmup, then cosine: the lr changes
-    torch.testing.assert_close(torch.tensor(c["losses"]), torch.tensor(e["losses"]), rtol=1e-5, atol=0)
     assert e["graphs"] == [[0, 0]] * 5   # (graphs, recompiles) after steps 0..4; eager: nothing compiled
-    for r in compiled:
-        g = r["value"]["graphs"]
-        # every graph made in step 1; steps 2-4 (a save, an eval forward each) compile nothing more
-        assert g[0] == [0, 0] and g[1][0] > 0 and g[1:] == [g[1]] * 4, (g, r["value"]["recompiles"])
-        # step 1's recompiles: the replay (grad on) of the frames its no-grad pass compiled, nothing else
-        assert g[1][1] > 0 and all("grad_mode" in m for m in r["value"]["recompiles"]), r["value"]["recompiles"]
-    assert c["keys"] == e["keys"]   # the compiled module's state dict keeps its names (checkpoints)
-    rec = c["compile"]
-    assert rec["backend"] == "aot_eager" and rec["compile_s"] > 0 and rec["first_step_s"] > rec["step_s"] > 0
+    for scope in scopes:
+        c = runs[scope][0]["value"]
+        torch.testing.assert_close(torch.tensor(c["losses"]), torch.tensor(e["losses"]), rtol=1e-5, atol=0)
+        assert c["weights"] == pytest.approx(e["weights"], rel=1e-6)
+        for r in runs[scope]:
+            g, why = r["value"]["graphs"], r["value"]["recompiles"]
+            # every graph made in step 1; steps 2-4 (a save, an eval forward each) compile nothing more
+            assert g[0] == [0, 0] and g[1][0] > 0 and g[1:] == [g[1]] * 4, (scope, g, why)
+            assert graphs is None or g[1][0] == graphs, (scope, g, why)
+            # step 1's recompiles: the replay (grad on) of the frames its no-grad pass compiled; for the
+            # layers also the other tower's shape (one code object for both towers' layers)
+            assert g[1][1] > 0 and all("grad_mode" in m or (scope == "layers" and "size mismatch" in m)
+                                       for m in why), why
+        assert c["keys"] == e["keys"]   # the compiled module's state dict keeps its names (checkpoints)
+        rec = c["compile"]
+        assert rec["scope"] == scope and rec["backend"] == "aot_eager"
+        assert rec["compile_s"] > 0 and rec["first_step_s"] > rec["step_s"] > 0
 
 
 class _Small(torch.nn.Module):   # defined here: dynamo does not start a graph in torch.nn's own modules
@@ -157,7 +267,7 @@ def test_eager_hook_keeps_evaluation_out_of_the_compiled_graphs():
 
 
 @pytest.mark.parametrize("keys, fragment", [
-    (["profile=zero3"], "does not work with ZeRO-3"),
+    (["profile=zero3", "compile.scope=model"], "compile.scope=model does not work with ZeRO-3"),
     (["compile.backend=nonesuch"], "is not a torch.compile backend here"),
     (["compile.mode=reduce-overhead"], "captures CUDA graphs"),
     (["compile.backend=aot_eager", "compile.mode=max-autotune-no-cudagraphs"], "is an inductor option"),
@@ -169,5 +279,7 @@ def test_refused_combinations_name_the_reason_and_the_fix(keys, fragment):
     with pytest.raises(ConfigError, match=fragment):
         check_run(run, shards=False)
     assert refusal(CompileConfig(), zero_stage=3, on_gpu=False) is None   # off: nothing to refuse
-    for stage in (1, 2):
+    for stage in (1, 2, 3):   # the layers scope (the default) under every stage
         assert refusal(CompileConfig(enabled=True), zero_stage=stage, on_gpu=False) is None
+    for stage in (1, 2):
+        assert refusal(CompileConfig(enabled=True, scope="model"), zero_stage=stage, on_gpu=False) is None
