@@ -18,7 +18,9 @@ norm (layer norm forward/backward), copy (copy_, _to_copy, clone, cat: casts and
 reduction (sum, amax, amin, norms, any/all), optimizer (fused AdamW, _foreach_*), communication
 (c10d), elementwise (the rest that computes), and view (metadata only: no kernel, not counted
 as ops). Bytes: the tensors each non-matmul op reads and writes (its tensor arguments and
-results, each storage once), the memory traffic a GPU kernel pays for it.
+results, each storage once), the memory traffic a GPU kernel pays for it. Python calls: one more
+step under sys.setprofile, function calls by package (python_calls): the host work, where
+ZeRO-3's per-module hooks show.
 
 The JSON: per subject the ops by kind, the named ops (op -> count), bytes by kind; per profile
 `non_matmul_ops_vs_twin` = our non-matmul, non-view ops / the eager twin's (the issue's target:
@@ -165,6 +167,12 @@ def synthetic_batch(config, micro: int, seed: int = 0) -> dict:
 
 def count_subject(subject: str, args) -> dict:
     """Build `subject` ('twin' or a profile name), warm up, count one step. In its own process."""
+    row = _count_subject(subject, args)
+    row["device"] = torch.cuda.get_device_name() if torch.cuda.is_initialized() else "cpu"
+    return row
+
+
+def _count_subject(subject: str, args) -> dict:
     from rsclip_ds.config import load_config
 
     with process_group(args.threads), tempfile.TemporaryDirectory() as out_dir:
@@ -194,6 +202,28 @@ def count_subject(subject: str, args) -> dict:
             return row
 
 
+# Python packages whose function calls python_calls counts (by the file's path)
+PACKAGES = ("deepspeed", "torch", "transformers", "rsclip_ds")
+
+
+def python_calls(step, batch: dict) -> dict[str, int]:
+    """Python function calls during one step, by package (PACKAGES, else 'other'): the host work a
+    GPU waits for when kernels are small -- ZeRO-3's per-module hooks show here, not in the ops."""
+    calls = Counter()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            path = frame.f_code.co_filename
+            calls[next((p for p in PACKAGES if f"/{p}/" in path), "other")] += 1
+
+    sys.setprofile(profile)
+    try:
+        step(batch)
+    finally:
+        sys.setprofile(None)
+    return {p: calls.get(p, 0) for p in (*PACKAGES, "other")}
+
+
 def _count(step, batch: dict, args) -> dict:
     losses = [float(step(batch)) for _ in range(args.warmup)]
     census = OpCensus()
@@ -201,7 +231,9 @@ def _count(step, batch: dict, args) -> dict:
     with census:
         loss = step(batch)
     seconds = time.perf_counter() - t0
-    return {**census.record(), "losses": losses + [float(loss)], "counted_step_s": seconds}
+    calls = python_calls(step, batch)   # one more step: the dispatch mode's own calls stay out
+    return {**census.record(), "losses": losses + [float(loss)], "counted_step_s": seconds,
+            "python_calls": calls}
 
 
 # --------------------------------------------------------------------------- driver
@@ -236,6 +268,7 @@ def ratios(subjects: dict[str, dict]) -> dict[str, dict]:
         if name == "twin" or not row.get("ok", True) or not twin or not twin.get("ok", True):
             continue
         out[name] = {"non_matmul_ops_vs_twin": row["non_matmul_ops"] / twin["non_matmul_ops"],
+                     "python_calls_vs_twin": sum(row["python_calls"].values()) / sum(twin["python_calls"].values()),
                      "non_matmul_bytes_vs_twin": row["non_matmul_bytes"] / twin["non_matmul_bytes"],
                      "matmul_ops_vs_twin": row["ops"]["matmul"] / max(1, twin["ops"]["matmul"])}
     return out

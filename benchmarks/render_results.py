@@ -133,8 +133,11 @@ THROUGHPUT = (
         Source("gpu_h200.json", py("gpu", f"--out {R}/gpu_h200.json")),
         Source("gpu_h200_loader.json", py("gpu", f"--profiles zero2 --ac off --data tensor loader "
                                                  f"--out {R}/gpu_h200_loader.json")),
-        Source("gpu_h200_openclip.json", py("gpu", f"--open-clip VENV --model git-rsclip-base "
-                                                   f"--out {R}/gpu_h200_openclip.json")))),
+        Source("gpu_h200_openclip.json", py("gpu", f"--open-clip kit --model git-rsclip-base "
+                                                   f"--out {R}/gpu_h200_openclip.json")),
+        Source("gpu_h200_base.json", note="the GPU session's script: source .gpu/env.sh && bash "
+                                          "benchmarks/gpu_step.sh OUT (docs/benchmarks/gpu.md)"),
+        Source("gpu_h200_large.json", note="the same script's git-rsclip-large part"))),
     Family("census", "Op census: aten ops per training step, ours per profile against the plain PyTorch twin",
            census.census, (
         Source("census_base_before.json", note="the command below at commit f43a822, before bf16.check_grad_overflow and the one-rank overlap_comm"),

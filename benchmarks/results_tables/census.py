@@ -28,8 +28,9 @@ def census(files: dict) -> list[str]:
         c = rep["config"]
         said = f" -- {rep['label']}" if rep.get("label") else ""
         extra = f", `--set {' '.join(c['set'])}`" if c.get("set") else ""
+        devices = sorted({r.get("device", "cpu") for r in rep["subjects"].values() if r.get("ok", True)}) or ["cpu"]
         out += [f"`{name}`{said} ({c['model']} shape, {c['layers'] or 'all'} layers per tower, micro {c['micro']}, "
-                f"{c['precision']}, one rank on {rep['environment'].get('device', 'cpu')}{extra}):", ""]
+                f"{c['precision']}, one rank on {', '.join(devices)}{extra}):", ""]
         rows, failed = [], []
         twin = rep["subjects"].get("twin", {})
         for subject, row in rep["subjects"].items():
@@ -37,9 +38,12 @@ def census(files: dict) -> list[str]:
                 failed.append(f"- {subject}: {row.get('error', 'failed')}")
                 continue
             vs = rep["vs_twin"].get(subject)
+            calls = sum(row["python_calls"].values()) if "python_calls" in row else None
+            calls_vs = vs.get("python_calls_vs_twin") if vs else (1.0 if calls else None)
             rows.append([subject, *[row["ops"][k] for k in KINDS], row["non_matmul_ops"],
                          sig(row["non_matmul_bytes"] / MiB), fix(vs["non_matmul_ops_vs_twin"]) if vs else "1.00",
-                         _excess(row, twin) if vs else "-"])
-        out += table(["subject", *KINDS, "non-matmul ops", "non-matmul MiB", "ops vs twin", "most over the twin"], rows)
+                         f"{calls:,}" if calls else "-", fix(calls_vs, 1), _excess(row, twin) if vs else "-"])
+        out += table(["subject", *KINDS, "non-matmul ops", "non-matmul MiB", "ops vs twin", "Python calls",
+                      "calls vs twin", "most over the twin"], rows)
         out += failed + ([""] if failed else [])
     return out

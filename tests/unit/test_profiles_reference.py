@@ -40,6 +40,8 @@ def cell(value) -> str:
         return "per node"
     if isinstance(value, dict) and set(value) == {"device", "pin_memory"}:
         return value["device"] + (", pinned" if value["pin_memory"] else "")
+    if isinstance(value, dict) and set(value) == {"classes"}:   # leaf_module: the classes' own names
+        return ", ".join(c.rsplit(".", 1)[-1] for c in value["classes"])
     if isinstance(value, int) and value >= 10_000:
         exponent = len(str(value)) - 1
         mantissa, rest = divmod(value, 10 ** exponent)

@@ -1,8 +1,9 @@
-"""The step's overhead that build_ds_config removes (issue 36, benchmarks/census.py): DeepSpeed's
-per-gradient overflow check under bf16 and overlap_comm on one rank. Each removal leaves the
-step's math unchanged (weights bit-equal to DeepSpeed's defaults after three steps, forked ranks
-on the tiny preset), and the non-finite guard that replaces the check catches a NaN gradient
-under a finite loss."""
+"""The step's overhead removed (issue 36, benchmarks/census.py): DeepSpeed's per-gradient overflow
+check under bf16 and overlap_comm on one rank (build_ds_config), and ZeRO-3's hooks on every
+submodule (the zero3 profiles' leaf modules: one per encoder layer and pooling head). Each
+leaves the step's math as it was (three steps on forked ranks, tiny preset: ZeRO-1/2 weights
+bit-equal to DeepSpeed's defaults, ZeRO-3 within bf16 rounding), and the non-finite guard that
+replaces the check catches a NaN gradient under a finite loss."""
 
 from __future__ import annotations
 
@@ -66,10 +67,11 @@ def _steps(rank: int, world: int, out: str, profile: str, deepspeed_defaults: bo
     weight = bundle.model.vision_model.encoder.layers[0].mlp.fc1.weight
     weight.register_hook(lambda g: g * math.nan if state["step"] == nan_grad_at else g)
     trainer = Trainer(run, model=bundle, loader=batches)
-    if deepspeed_defaults:
+    if deepspeed_defaults:   # and ZeRO-3's hooks on every submodule (no leaf modules)
         trainer.ds_config["bf16"]["check_grad_overflow"] = True
         trainer.ds_config["zero_optimization"]["overlap_comm"] = load_profile(profile).strategy[
             "zero_optimization"]["overlap_comm"]
+        trainer.ds_config["zero_optimization"].pop("leaf_module", None)
     losses, recorded = [], []
     with trainer:
         parts = trainer.build()
@@ -90,7 +92,8 @@ def _steps(rank: int, world: int, out: str, profile: str, deepspeed_defaults: bo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("profile,world", [("zero1", 2), ("zero2", 1), ("zero2", 2), ("zero3", 2)])
+@pytest.mark.parametrize("profile,world", [("zero1", 2), ("zero2", 1), ("zero2", 2), ("zero3", 1), ("zero3", 2),
+                                           ("zero3_offload", 2)])
 def test_removing_the_overhead_leaves_the_step_unchanged(tmp_path, profile, world):
     ours = run_ranks(_steps, world, tmp_path / "ours", str(tmp_path), profile, False, None, launcher_env=True)
     theirs = run_ranks(_steps, world, tmp_path / "theirs", str(tmp_path), profile, True, None, launcher_env=True)
@@ -98,17 +101,27 @@ def test_removing_the_overhead_leaves_the_step_unchanged(tmp_path, profile, worl
         assert "value" in ours[rank], ours[rank].get("traceback")
         assert "value" in theirs[rank], theirs[rank].get("traceback")
         a, b = ours[rank]["value"], theirs[rank]["value"]
-        assert a["losses"] == b["losses"] and a["recorded"] == a["losses"]
-        assert a["digest"] == b["digest"] and a["finite"]
+        assert a["recorded"] == a["losses"] and a["finite"]
+        if profile.startswith("zero3"):
+            # leaf modules: each encoder layer gathered as one unit, and its linears run torch's own
+            # F.linear (addmm) instead of ZeRO-3's wrapper (mm, then add_ for the bias: the census's
+            # matmul count falls to the twin's), which bf16 rounds differently. Measured here (2 ranks): the
+            # third loss moves 1.0e-3 relative, as much as reducing in fp32 instead of bf16 moves it
+            # without leaf modules (0.7e-3); tests/integration/test_loss_parity.py holds ZeRO-3's
+            # gradients to the single-process reference
+            assert a["losses"] == pytest.approx(b["losses"], rel=2e-3)
+            assert a["digest"] == pytest.approx(b["digest"], rel=1e-2, abs=1e-2)
+        else:
+            assert a["losses"] == b["losses"] and a["digest"] == b["digest"]
         # what went: DeepSpeed's check tests each of this rank's gradient tensors with an amax and an amin
         # (ZeRO-1/2; ZeRO-3 never checks under bf16); the step's ops are otherwise the same
         checked = b["named"].get("amax", 0)
-        if profile == "zero3":
+        if profile.startswith("zero3"):
             assert checked == 0
         else:   # every tensor of the partition: all of them on one rank
             assert 0 < checked <= b["tensors"] and (world > 1 or checked == b["tensors"])
         assert "amax" not in a["named"]
-        assert sum(b["named"].values()) - sum(a["named"].values()) >= (0 if profile == "zero3" else 10 * checked)
+        assert sum(b["named"].values()) - sum(a["named"].values()) >= 10 * checked
 
 
 @pytest.mark.parametrize("profile", ["zero2", "zero3"])
