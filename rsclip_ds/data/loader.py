@@ -2,8 +2,9 @@
 
 Full guide: docs/guides/data.md. In short:
 
-The parts: shard specs and counts (sources.py), which shards each rank and worker reads per
-epoch (schedule.py), tar reading (tar.py), decoding and augmentation (transforms.py), bad-data
+The parts: shard specs and counts (sources.py), which samples each rank and worker reads per
+epoch and how many batches it delivers (schedule.py: under 'exact' an epoch is every sample less
+than one global batch), tar reading (tar.py), decoding and augmentation (transforms.py), bad-data
 counting (bad.py). This module runs them: one stream per DataLoader worker.
 
 Within a stream. Raw samples (undecoded bytes) pass a shuffle buffer reseeded every epoch, then
@@ -26,11 +27,15 @@ that dies (the OOM killer's SIGKILL) is named and replaced at the same position 
 
 Resume. ``loader.state_dict()`` is the position after the last batch handed to the trainer
 (not after the batches the workers prefetched): per worker the epoch, the samples taken from its
-shuffle buffer, the batches delivered, the shards opened, its bad-data counts. A loader built
-with ``state=`` replays each worker's current epoch up to that point without decoding and then
-continues; it yields exactly the batches an uninterrupted loader would have yielded. A loader
-built with ``state={"remap_from": [every old rank's state]}`` continues a run saved on another
-number of ranks (workers, micro batch): remap.py says what it keeps.
+shuffle buffer, the batches delivered, the pieces (shard parts) opened, its bad-data counts. A
+loader built with ``state=`` replays each worker's current epoch up to that point without
+decoding and then continues; it yields exactly the batches an uninterrupted loader would have
+yielded. A loader built with ``state={"remap_from": [every old rank's state]}`` continues a run
+saved on another number of ranks (workers, micro batch): remap.py says what it keeps.
+
+What was delivered. ``loader.tap(index, epoch, keys)``, when set, hears every batch handed out:
+its index on the rank, its epoch and its samples' ``__key__``s (``loader.schedule.coverage(e)``
+says the same from the counts).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import random
 import signal
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -51,13 +56,13 @@ from rsclip_ds.config import ConfigError, DataConfig
 from rsclip_ds.data.bad import BAD_KINDS, DataError, StreamCounter, check_bad_fraction
 from rsclip_ds.data.filter_counts import kept_counts, kept_counts_over_ranks
 from rsclip_ds.data.remap import READABLE_VERSIONS, STATE_VERSION, Remap, remap_state
-from rsclip_ds.data.schedule import EpochSchedule, build_epoch_schedule, derive_seed
+from rsclip_ds.data.schedule import EpochSchedule, Piece, build_epoch_schedule, derive_seed
 from rsclip_ds.data.shm import PREFETCH_FACTOR
 from rsclip_ds.data.sources import shard_counts, shard_counts_from_rank0
-from rsclip_ds.data.tar import read_shard
+from rsclip_ds.data.tar import read_piece
 from rsclip_ds.data.tokenizer import tokenize
 from rsclip_ds.data.transforms import ImageTransform, SampleDecoder
-from rsclip_ds.data.where import Where
+from rsclip_ds.data.where import Where, json_columns
 from rsclip_ds.data.workers import LoaderWorkerDied, Supervisor, WorkerDeath
 
 log = logging.getLogger("rsclip_ds.data")
@@ -87,6 +92,16 @@ def _worker() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
+class _Keep:
+    """data.where on a sample's raw .json member, as filter_counts.py counts it (SampleDecoder.keep)."""
+
+    def __init__(self, where: Where):
+        self.where = where
+
+    def __call__(self, raw: bytes | None) -> bool:
+        return self.where(json_columns(raw))
+
+
 _FRESH = {"epoch": 0, "taken": 0, "done": 0, "opened": 0, "closed": 0}
 
 
@@ -105,6 +120,9 @@ class StreamDataset(IterableDataset):
         self.shard_ids = {url: i for i, url in enumerate(schedule.urls)}
         self.cfg, self.starts, self.offset = cfg, starts, offset
         self._filter_limit = max(1000, 2 * sum((schedule.counts or {}).values()))
+        # 'exact' + data.where: the streams' ranges count kept samples, so the filter runs as the
+        # shards are read (build_train_loader's SampleDecoder then has none)
+        self.keep = _Keep(Where.parse(cfg.where)) if schedule.policy == "exact" and cfg.where else None
 
     def __iter__(self) -> Iterator[dict]:
         pid, k = _worker()
@@ -119,33 +137,40 @@ class StreamDataset(IterableDataset):
             epoch, taken, done, opened, closed = epoch + 1, 0, 0, 0, 0
 
     def _raw(self, epoch: int, stream: int, counter: StreamCounter, rng: random.Random) -> Iterator[dict]:
-        """Shuffled, undecoded samples of this stream's epoch. 'exact' reads its shards again
-        (after the buffer drained the first pass) when bad data left them short of the quota;
+        """Shuffled, undecoded samples of this stream's epoch. 'exact' reads its pieces again
+        (after the buffer drained the first pass) when bad data used up more than its slack;
         'resampled' draws shards forever."""
         schedule, bufsize = self.schedule, self.cfg.shuffle_buffer
         moved = schedule.transition if schedule.transition and schedule.transition.epoch == epoch else None
         if schedule.policy == "resampled":
-            draws = schedule.draw(epoch, self.rank, stream, moved.salt if moved else ())
-            yield from _shuffled(self._read(draws, 2 * len(schedule.urls) + 10, stream, counter), bufsize, rng)
+            draws = (Piece(url, 0, 0, True) for url in schedule.draw(epoch, self.rank, stream, moved.salt if moved else ()))
+            yield from _shuffled(self._read(draws, 2 * len(schedule.urls) + 10, stream, counter, counted=False),
+                                 bufsize, rng)
             return
         if moved:   # a remap's transition epoch: what the old streams left (remap.py)
-            yield from moved.samples(self.rank, stream, counter, rng, bufsize, _shuffled)
+            yield from moved.samples(self.rank, stream, counter, rng, bufsize, _shuffled, self.keep)
             return
-        shards = schedule.shards(epoch, self.rank, stream)
+        pieces = schedule.pieces(epoch, self.rank, stream)
+        limit = max(1, sum(p.take > 0 for p in pieces))
         while True:
-            yield from _shuffled(self._read(shards, len(shards), stream, counter), bufsize, rng)
+            yield from _shuffled(self._read(pieces, limit, stream, counter), bufsize, rng)
 
-    def _read(self, shards, limit: int, stream: int, counter: StreamCounter) -> Iterator[dict]:
-        empty_run = 0
-        for url in shards:
+    def _read(self, pieces: Iterable[Piece], limit: int, stream: int, counter: StreamCounter,
+              counted: bool = True) -> Iterator[dict]:
+        """Raw samples of ``pieces`` ('resampled': whole drawn shards, ``counted`` False). ``limit``
+        pieces in a row without a readable sample are a DataError; a piece that should hold none
+        by the counts (an empty shard, one data.where keeps nothing of) is not one of them."""
+        empty_run, carry = 0, [0]     # carry: data.where's rejects after the last sample yielded
+        for p in pieces:
             got = 0
-            for sample in read_shard(url, counter):
+            for sample in read_piece(p.url, counter, p.skip, p.take, p.last, self.keep, carry):
                 got += 1
                 yield sample
-            empty_run = 0 if got else empty_run + 1
+            if got or p.take or not counted:
+                empty_run = 0 if got else empty_run + 1
             if empty_run >= limit:
                 raise DataError(f"rank {self.rank} stream {stream}: the last {empty_run} shards it read "
-                                f"held no readable sample (last: {url}); counts so far: "
+                                f"held no readable sample (last: {p.url}); counts so far: "
                                 f"{ {k: v for k, v in counter.bad.items() if v} }. Check data.train_shards")
 
     def _epoch(self, epoch: int, stream: int, quota: int, position: tuple[int, int, int, int],
@@ -162,7 +187,9 @@ class StreamDataset(IterableDataset):
             for n, sample in enumerate(raw, start=1):
                 if n <= taken:
                     continue   # resume: replayed without decoding
-                counter.samples += 1
+                filtered = sample.pop("__filtered__", 0)   # 'exact' + data.where: dropped as read, counted here
+                counter.samples += 1 + filtered
+                counter.bad["filtered_out"] += filtered
                 sample_rng = random.Random(derive_seed(seed, "sample", epoch,
                                                        self.shard_ids.get(sample["__url__"], sample["__url__"]),
                                                        sample["__key__"]))
@@ -180,7 +207,7 @@ class StreamDataset(IterableDataset):
                     done += 1
                     meta = {"stream": stream, "epoch": epoch, "taken": n, "done": done,
                             "opened": counter.opened, "closed": counter.closed, "bad": dict(counter.bad), "samples": counter.samples,
-                            "shards": counter.shards, "events": counter.events}
+                            "shards": counter.shards, "events": counter.events, "keys": [it[2] for it in batch]}
                     counter.events = []
                     yield {**self.collate(batch), "_meta": meta}
                     batch = []
@@ -249,6 +276,9 @@ class TrainLoader:
         self.carried = {"bad": dict.fromkeys(BAD_KINDS, 0), "samples": 0, "shards": 0}   # old ranks' counts
         self.deaths: list[WorkerDeath] = []                # workers that died (workers.py)
         self.on_worker_death: Callable[[str], None] | None = None   # the Trainer's: ask for an agreed stop
+        # tap(batch index, epoch, sample keys) after each batch handed out: what the rank delivered,
+        # read back by tests (and any caller that logs coverage) without return_keys in the batches
+        self.tap: Callable[[int, int, list[str]], None] | None = None
         self._supervisor: Supervisor | None = None
         self.local_world_size = 1                          # for the numbers of a worker death (set by the builder)
         if state is not None and "remap_from" in state:
@@ -285,7 +315,8 @@ class TrainLoader:
                  "batch.micro_batch_size", "streams": "keep data.num_workers (streams per rank), or set it "
                  "to auto, which takes the saved count",
                  "shards": "keep data.train_shards / data.train_weights / data.where and the shard sample counts (index JSON)", "policy": "keep data.policy",
-                 "epoch_batches": "keep data.epoch_batches", "version": "resume with the same rsclip_ds",
+                 "epoch_batches": "keep data.epoch_batches", "version": "resume with the rsclip_ds that saved it; "
+                 "before version 3 the exact policy split whole shards, so a saved position means other samples",
                  "shuffle_buffer": "keep data.shuffle_buffer"}
         saved = {k: state.get(k) for k in fixes}
         saved["streams"] = len(state.get("streams") or [])
@@ -317,8 +348,11 @@ class TrainLoader:
         for kind, where, detail in meta.pop("events"):
             self.examples.setdefault(kind, f"{where} ({detail})")
             log.warning("rank %d skipped bad data (%s) %s: %s", self.rank, kind, where, detail)
+        keys = meta.pop("keys")
         self._streams[meta.pop("stream")] = meta
         self.batches += 1
+        if self.tap is not None:
+            self.tap(self.batches - 1, meta["epoch"], keys)
         after = self.bad_data()
         for kind in BAD_KINDS:   # one line per power of ten, whatever the examples were
             crossed = [p for p in (10 ** i for i in range(1, 12)) if before[kind] < p <= after[kind]]
@@ -356,6 +390,7 @@ class TrainLoader:
         """Batches from the current position on (a second iter() continues, it does not restart).
         A worker that dies is named and replaced at the same position once (workers.py); the
         `on_worker_death` callback hears of it; a second death raises LoaderWorkerDied."""
+        self.schedule.start(self.schedule.epoch_of(self.batches) + 1)   # data too small: DataError here, not in a worker
         self._supervisor = Supervisor(self._dataloader, self.rank, self._worker_died)
         for batch in self._supervisor:
             self._on_batch(batch.pop("_meta"))
@@ -406,7 +441,7 @@ def auto_num_workers(cores: int, local_ranks: int) -> int:
 
 
 def _requested_workers(cfg: DataConfig, state: dict | None, cores: int, local_ranks: int) -> tuple[int, str]:
-    """Workers per rank before the 'exact' cap, and why (for the log line of 'auto')."""
+    """Workers per rank, and why (for the log line of 'auto')."""
     if cfg.num_workers != "auto":
         return cfg.num_workers, ""
     mine = auto_num_workers(cores, local_ranks)
@@ -455,16 +490,12 @@ def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_
     schedule = build_epoch_schedule(cfg, micro_batch_size=micro_batch_size, world_size=world_size, seed=seed,
                                     num_workers=workers, read_counts=shard_counts_from_rank0 if group else shard_counts,
                                     read_kept=kept)
-    used, shards = schedule.workers_of(rank), len(range(rank, len(schedule.urls), world_size))
     if why and rank == 0:
-        log.info("data.num_workers=auto: %d worker(s) per rank (%s)%s", workers, why,
-                 f"; rank 0 has {shards} shard(s) and uses {used}" if used < workers else "")
-    elif not why and schedule.policy == "exact" and workers > used:
-        log.warning("rank %d has %d shard(s) for data.num_workers=%d; using %d worker(s) so that "
-                    "none idles", rank, shards, workers, used)
+        log.info("data.num_workers=auto: %d worker(s) per rank (%s)", workers, why)
     views = (image_size, teacher.image_size) if teacher is not None else None
+    where = Where.parse(cfg.where) if cfg.where and cfg.policy == "resampled" else None   # 'exact': the stream's
     prep = SampleDecoder(ImageTransform.from_config(max(views or (image_size,)), cfg), _split_keys(cfg.image_key),
-                         _split_keys(cfg.caption_key), Where.parse(cfg.where) if cfg.where else None, views)
+                         _split_keys(cfg.caption_key), where, views)
     collate = Collate(tokenizer, max_text_length, micro_batch_size, return_keys, teacher)
     loader = TrainLoader(schedule, rank, cfg, prep, collate, state=state, pin_memory=pin_memory)
     loader.local_world_size = local_world_size

@@ -7,10 +7,11 @@ epoch of the next batch in the old schedule.
 At an epoch boundary (B is the first batch of epoch e): nothing of epoch e was delivered, and the
 new ranks play epoch e and the following ones exactly as a fresh run on W' ranks does.
 
-Mid-epoch, policy 'exact'. Old stream (r, w) reads its shards of epoch e through its shuffle
-buffer in a fixed order and has delivered the first ``taken`` samples of that order. What is
-left of it (the samples in its buffer, the unread part of its open shard, the shards it has not
-opened) is positions taken..n-1 of the same order, n its samples by the shard counts. Those
+Mid-epoch, policy 'exact'. Old stream (r, w) reads its pieces of epoch e (schedule.py: ranges
+of shards) through its shuffle buffer in a fixed order and has delivered the first ``taken``
+samples of that order. What is left of it (the samples in its buffer, the unread part of its
+open piece, the pieces it has not opened) is positions taken..n-1 of the same order, n the
+samples of its pieces (under data.where the kept ones: the streams filter as they read). Those
 remainders, concatenated in (old rank, old stream) order, are R samples. Every new rank delivers
 N_t = R // (W' x micro') batches in epoch e (the transition epoch); new stream (r', w'), in that
 order, takes the next (its batches x micro' + its slack) samples of the concatenation --
@@ -23,7 +24,7 @@ streams with batches: each leaves the samples its buffer did not hand out. Kept,
   * none is left out except ``dropped`` = R - N_t x W' x micro' < W' x micro' samples (one
     micro-batch per new rank), logged and kept in the state (``remap.kept``). The old run's own
     end-of-epoch surplus is not dropped: it is part of R;
-  * epochs e+1, ... are those of a fresh W' run: same shards per stream, same batches in the same
+  * epochs e+1, ... are those of a fresh W' run: same pieces per stream, same batches in the same
     order (the transition's first batch index is chosen so that epoch e+1 starts at the fresh
     run's index modulo the workers).
 With bad data: a bad sample in a range uses up slack, so ``dropped`` is the planned count and
@@ -39,9 +40,10 @@ fresh streams seeded by (seed, e, rank', w', "remap", W'), then epochs follow W'
 Counts. Bad-data counts, samples read and shards opened of all old ranks (their totals,
 including what they carried themselves) are carried by new rank 0 and included in its
 ``bad_data()`` and ``samples_seen``. Shard errors found while replaying an old order are counted
-once, by the new stream holding the last range of that old order, and only for shards the old
-stream had not read to their end (the one shard it had open counts twice as opened, in the
-denominator of the bad-shard fraction).
+once, by the new stream holding the last range of that old order, and only for pieces the old
+stream had not read to their end (the one piece it had open counts twice as opened, in the
+denominator of the bad-shard fraction). Under data.where the filtered samples before a position
+are counted with it, by whoever takes it from a buffer: once.
 
 Second resume. The new loader's state carries ``remap`` (epoch, first index, batches, the old
 positions): it resumes exactly on W' ranks, also inside the transition epoch. A remap to yet
@@ -58,12 +60,12 @@ from typing import Callable, Iterator
 from rsclip_ds.config import ConfigError
 from rsclip_ds.data.bad import BAD_KINDS, DataError, StreamCounter
 from rsclip_ds.data.schedule import EpochSchedule, _share, derive_seed
-from rsclip_ds.data.tar import read_shard
+from rsclip_ds.data.tar import read_piece
 
-STATE_VERSION = 2          # 2: + remap, carried, shuffle_buffer
-READABLE_VERSIONS = (1, 2)  # a version 1 state is a version 2 state without those keys
+STATE_VERSION = 3          # 2: + remap, carried, shuffle_buffer; 3: streams read sample ranges (issue 37)
+READABLE_VERSIONS = (3,)    # 1 and 2 split whole shards: their positions mean other samples
 
-FIXES = {"version": "resume with an rsclip_ds that reads it", "seed": "run with the seed of the saved run",
+FIXES = {"version": "resume with an rsclip_ds that reads it; before version 3 the streams split whole shards", "seed": "run with the seed of the saved run",
          "policy": "keep data.policy", "shards": "keep data.train_shards / data.train_weights and the shard "
          "sample counts (index JSON)"}
 
@@ -88,7 +90,7 @@ class Remap:
 
     def apply(self, schedule: EpochSchedule) -> None:
         """Anchor ``schedule`` (the new world size's) here and give it the transition's plan."""
-        schedule.anchor(self.epoch, self.start, self.batches)
+        schedule.anchor(self.epoch, self.start, self.batches, self.kept.get("remaining"))
         if self.batches is not None:
             schedule.transition = Transition.build(schedule, self)
 
@@ -138,32 +140,34 @@ class Transition:
         return cls(remap.epoch, old, src["shuffle_buffer"], _cut(schedule, remap.epoch, units))
 
     def samples(self, rank: int, stream: int, counter: StreamCounter, rng: random.Random, bufsize: int,
-                shuffle: Callable) -> Iterator[dict]:
+                shuffle: Callable, keep: Callable | None = None) -> Iterator[dict]:
         """'exact': this stream's raw samples of the transition epoch, through its own buffer;
-        read again when bad data left them short (as the exact policy does)."""
+        read again when bad data left them short (as the exact policy does). ``keep``: data.where
+        as the streams apply it while reading (their orders count kept samples)."""
         segments = self.segments.get((rank, stream), [])
         while True:
             got = 0
-            for sample in shuffle(self._chain(segments, counter, shuffle), bufsize, rng):
+            for sample in shuffle(self._chain(segments, counter, shuffle, keep), bufsize, rng):
                 got += 1
                 yield sample
             if not got:
                 raise DataError(f"rank {rank} stream {stream}: the old streams' samples it continues in "
                                 f"epoch {self.epoch} held no readable sample; check data.train_shards")
 
-    def _chain(self, segments: list[Segment], counter: StreamCounter, shuffle: Callable) -> Iterator[dict]:
+    def _chain(self, segments: list[Segment], counter: StreamCounter, shuffle: Callable,
+               keep: Callable | None) -> Iterator[dict]:
         for seg in segments:
-            yield from self._segment(seg, counter, shuffle)
+            yield from self._segment(seg, counter, shuffle, keep)
 
-    def _segment(self, seg: Segment, counter: StreamCounter, shuffle: Callable) -> Iterator[dict]:
+    def _segment(self, seg: Segment, counter: StreamCounter, shuffle: Callable, keep: Callable | None) -> Iterator[dict]:
         """Replay old stream (seg.rank, seg.stream)'s first pass of the epoch as it read it (same
-        shards, same buffer seed) and yield positions [begin, end), undecoded."""
-        shards, scratch = self.old.shards(self.epoch, seg.rank, seg.stream), StreamCounter({})
+        pieces, same buffer seed) and yield positions [begin, end), undecoded."""
+        pieces, scratch, carry = self.old.pieces(self.epoch, seg.rank, seg.stream), StreamCounter({}), [0]
 
         def read() -> Iterator[dict]:
-            for i, url in enumerate(shards):
+            for i, p in enumerate(pieces):
                 counts = seg.count_from is not None and i >= seg.count_from
-                yield from read_shard(url, counter if counts else scratch)
+                yield from read_piece(p.url, counter if counts else scratch, p.skip, p.take, p.last, keep, carry)
 
         rng = random.Random(derive_seed(self.old.seed, "buffer", self.epoch, seg.rank, seg.stream))
         order = shuffle(read(), self.bufsize, rng)
@@ -182,7 +186,7 @@ def _units(old: EpochSchedule, epoch: int, src: dict) -> list[tuple[int, int, in
     units = []
     for r, (taken_r, closed_r) in enumerate(zip(src["taken"], src["closed"])):
         for s, (taken, closed) in enumerate(zip(taken_r, closed_r)):
-            size = sum(old.counts[u] for u in old.shards(epoch, r, s))
+            size = sum(p.take for p in old.pieces(epoch, r, s))
             units.append((r, s, taken, max(0, size - taken), closed))
     return units
 

@@ -71,30 +71,41 @@ def test_expand_urls_errors_name_the_spec(tmp_path, spec):
 
 # --------------------------------------------------------------------------- shard assignment
 
-def test_epoch_schedule_partitions_shards_every_epoch():
+def test_epoch_schedule_splits_the_samples_every_epoch():
+    """Pieces of the epoch's shuffled shard list: every sample once over all streams, a shard
+    split between streams where a range ends, reshuffled every epoch."""
     urls = [f"s{i}.tar" for i in range(11)]
-    schedule = EpochSchedule([urls], [1.0], "exact", seed=5, world_size=2, num_workers=2, micro=1)
+    counts = {u: 5 + i for i, u in enumerate(urls)}             # 5..15 samples, 110 in all
+    schedule = EpochSchedule([urls], [1.0], "exact", seed=5, world_size=2, num_workers=2, micro=4, counts=counts)
     orders = []
     for epoch in range(4):
-        parts = [schedule.shards(epoch, r, w) for r in range(2) for w in range(2)]
-        flat = [u for p in parts for u in p]
-        assert sorted(flat) == sorted(urls)  # disjoint and covering
-        orders.append(flat)
-    assert len({tuple(o) for o in orders}) == 4  # reshuffled every epoch
+        parts = [schedule.pieces(epoch, r, w) for r in range(2) for w in range(2)]
+        samples = [(p.url, i) for part in parts for p in part for i in range(p.skip, p.skip + p.take)]
+        assert sorted(samples) == sorted((u, i) for u in urls for i in range(counts[u]))   # disjoint, covering
+        assert any(p.skip for part in parts for p in part)                                  # a shard was split
+        assert schedule.batches(epoch) == 110 // (2 * 4)
+        orders.append(tuple(schedule.order(epoch)))
+    assert len(set(orders)) == 4  # reshuffled every epoch
 
 
-def test_fewer_shards_than_ranks_is_an_error(index):
-    with pytest.raises(ValueError, match=r"8 training shard\(s\) cannot feed 9 ranks.*--shard-size"):
-        _loader(index, rank=0, world_size=9)
+def test_fewer_shards_than_ranks_train_and_too_little_data_is_refused_with_the_numbers(index):
+    assert _loader(index, rank=7, world_size=8).schedule.batches(0) == 1   # 8 shards, 8 ranks of micro 8
+    three = f"{index['dir']}/train-{{000000..000002}}.tar"                 # 24 samples
+    assert _loader(index, rank=2, world_size=3, train_shards=three).schedule.batches(0) == 1
+    with pytest.raises(DataError, match=r"the 64 training samples hold no global batch of 9 rank\(s\) x micro "
+                                        r"batch 8 = 72 samples.*Fix: set batch.micro_batch_size to 7 or less "
+                                        r"\(64 // 9 rank\(s\)\), or launch 8 rank\(s\) or fewer"):
+        next(iter(_loader(index, rank=0, world_size=9)))
 
 
-def test_workers_are_clamped_to_the_shards_of_the_rank(index, caplog):
-    spec = f"{index['dir']}/train-{{000000..000002}}.tar"  # 3 shards over 2 ranks: 2 and 1
+def test_workers_are_kept_when_the_shards_are_fewer(index, caplog):
+    spec = f"{index['dir']}/train-{{000000..000002}}.tar"  # 3 shards over 2 ranks
     with caplog.at_level(logging.WARNING, logger="rsclip_ds.data"):
         loaders = [_loader(index, rank=r, world_size=2, train_shards=spec, num_workers=4) for r in (0, 1)]
-    assert [ld.num_workers for ld in loaders] == [2, 1]
-    assert "rank 0 has 2 shard(s) for data.num_workers=4; using 2" in caplog.text
-    assert _loader(index, num_workers=2).num_workers == 2  # enough shards: unchanged
+    assert [ld.num_workers for ld in loaders] == [4, 4] and not caplog.records
+    plan = loaders[0].schedule                              # 24 samples: 1 batch per rank, from worker 0
+    assert plan.batches(0) == 1 and [plan.worker_batches(0, 0, w) for w in range(4)] == [1, 0, 0, 0]
+    assert [plan.worker_batches(1, 0, w) for w in range(4)] == [0, 1, 0, 0]   # epoch 1: batch index 1
 
 
 @pytest.mark.parametrize("cores, local_ranks, workers", [
@@ -109,20 +120,19 @@ def test_auto_workers_share_the_cores_of_the_node(cores, local_ranks, workers):
     assert auto_num_workers(cores, local_ranks) == workers
 
 
-def test_auto_workers_are_sized_capped_and_logged_once(index, caplog):
-    """data.num_workers=auto with 8 cores for 2 ranks: 3 per rank; 3 shards over 2 ranks cap
-    them at 2 and 1 (as any count), one INFO line from rank 0, no warning."""
+def test_auto_workers_are_sized_and_logged_once(index, caplog):
+    """data.num_workers=auto with 8 cores for 2 ranks: 3 per rank, also with 3 shards over 2
+    ranks; one INFO line from rank 0, no warning."""
     spec = f"{index['dir']}/train-{{000000..000002}}.tar"
     with caplog.at_level(logging.INFO, logger="rsclip_ds.data"):
         many = _loader(index, num_workers="auto", cores=8, local_world_size=2)
-        capped = [_loader(index, rank=r, world_size=2, train_shards=spec, num_workers="auto", cores=8,
-                          local_world_size=2) for r in (0, 1)]
+        few = [_loader(index, rank=r, world_size=2, train_shards=spec, num_workers="auto", cores=8,
+                       local_world_size=2) for r in (0, 1)]
     assert many.num_workers == many.streams == 3
-    assert [ld.num_workers for ld in capped] == [2, 1]
+    assert [ld.num_workers for ld in few] == [3, 3]
     lines = [r for r in caplog.records if "data.num_workers=auto" in r.getMessage()]
     assert [r.levelname for r in lines] == ["INFO", "INFO"]   # one per loader built as rank 0
     assert "3 worker(s) per rank (8 core(s) for 2 rank(s) on this node" in lines[0].getMessage()
-    assert "rank 0 has 2 shard(s) and uses 2" in lines[1].getMessage()
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
     assert _loader(index, num_workers="auto", cores=2, local_world_size=1).num_workers == 1
 

@@ -41,21 +41,24 @@ def _no_tokenizer_threads(monkeypatch):
 
 def test_exact_epochs_equal_batches_on_every_rank(shards):
     plan = build_epoch_schedule(DataConfig(train_shards=shards, num_workers=2), micro_batch_size=B,
-                            world_size=WORLD, seed=3)
-    # epoch 0 by hand: the streams' shards and how many full batches each can fill
-    sizes = {f"s{s}": n for s, n in enumerate(COUNTS)}
+                                world_size=WORLD, seed=3)
     for epoch in range(3):
-        caps = [[sum(sizes["s" + str(int(u.rsplit("-", 1)[1][:2]))] for u in plan.shards(epoch, r, w)) // B
-                 for w in range(2)] for r in range(WORLD)]
-        n = plan.batches(epoch)
-        assert n > 0
-        # batch i of a rank comes from worker i % 2: each worker must fill its share, and one
-        # more batch would overfill some worker on some rank
-        start = plan.start(epoch)
-        share = [len([i for i in range(start, start + n) if i % 2 == w]) for w in range(2)]
-        assert all(share[w] <= caps[r][w] for r in range(WORLD) for w in range(2))
-        more = [len([i for i in range(start, start + n + 1) if i % 2 == w]) for w in range(2)]
-        assert any(more[w] > caps[r][w] for r in range(WORLD) for w in range(2))
+        n, start = plan.batches(epoch), plan.start(epoch)
+        assert n == sum(COUNTS) // (WORLD * B) == 10          # every batch the 40 samples hold
+        # batch i of a rank comes from worker i % 2: each stream's range holds its batches, and
+        # the ranges together hold every sample of the epoch once
+        held = {}
+        for r in range(WORLD):
+            for w in range(2):
+                pieces = plan.pieces(epoch, r, w)
+                share = len([i for i in range(start, start + n) if i % 2 == w])
+                assert plan.worker_batches(epoch, r, w) == share
+                assert sum(p.take for p in pieces) >= share * B
+                for p in pieces:
+                    for i in range(p.skip, p.skip + p.take):
+                        held[(p.url, i)] = held.get((p.url, i), 0) + 1
+        assert sorted(held.values()) == [1] * sum(COUNTS)
+        assert any(p.skip for r in range(WORLD) for w in range(2) for p in plan.pieces(epoch, r, w))  # split shards
 
 
 @pytest.mark.parametrize("policy", ["exact", "resampled"])
@@ -89,8 +92,8 @@ def test_exact_epoch_reads_each_sample_at_most_once_per_rank(shards, tiny_tokeni
         keys = [k for b in take(iter(make_loader(shards, tiny_tokenizer, rank)), n0) for k in b["keys"]]
         assert len(keys) == len(set(keys)) == n0 * B
         seen.append(set(keys))
-    assert not seen[0] & seen[1]                    # ranks read disjoint shards
-    assert len(seen[0] | seen[1]) >= 40 - 2 * 10    # the surplus dropped is under a shard per stream
+    assert not seen[0] & seen[1]                    # ranks read disjoint samples
+    assert len(seen[0] | seen[1]) == 40             # 40 = 10 global batches: nothing left out
 
 
 @pytest.mark.parametrize("policy,stops", [("exact", [3, 6, 8]), ("resampled", [5])])
