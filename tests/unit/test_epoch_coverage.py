@@ -276,3 +276,24 @@ def test_one_shard_feeds_every_worker_of_a_rank(tmp_path, tiny_tokenizer, monkey
     assert ld.num_workers == 4 and {len(ld.schedule.pieces(0, 0, w)) for w in range(4)} == {1}
     assert [sorted(epochs[e]) for e in (0, 1)] == [[f"one_{i:04d}" for i in range(60)]] * 2
 
+
+def test_the_data_guide_s_examples_are_what_the_schedule_computes():
+    """docs/guides/data.md, section 4: each row of the example table, computed again."""
+    from pathlib import Path
+
+    guide = (Path(__file__).parents[2] / "docs" / "guides" / "data.md").read_text()
+    table = guide[guide.index("| set (training images) |"):].split("\n\n")[0].splitlines()[2:]
+    assert len(table) == 5
+    last = None
+    for row in table:
+        name, setup, batches, delivered = (c.strip() for c in row.strip("|").split("|"))
+        last = name.split(" (")[0] if name.split(" (")[0] in SETS else last
+        world, micro = (int(x) for x in setup.split(" × "))
+        counts = _shards(SETS[last], 1000)
+        cover = EpochSchedule([list(counts)], [1.0], "exact", 0, world, 8, micro, counts=counts).coverage(0)
+        if batches.startswith("refused"):
+            assert cover["refused"] and f"{SETS[last]:,} < {world * micro:,}" in batches
+            assert f"micro {SETS[last] // world} or less, or {SETS[last] // micro} ranks or fewer" == delivered
+            continue
+        assert (int(batches), delivered) == (cover["batches_per_rank"],
+                                             f"{cover['samples']:,} ({100 * cover['coverage']:.1f} %)"), row
