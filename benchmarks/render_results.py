@@ -177,7 +177,9 @@ DATA = (
         Source("decode.json", note=removed("benchmarks/data/decode.py")),)),
     Family("loader", "The loader per CPU-second", data.loader, (
         Source("loader.json", py("data.loader", f"--out {R}/loader.json")),
-        Source("loader.before_uint8.json", note="the same command before the uint8 transport (the file's `note`)"))),
+        Source("loader.before_uint8.json", note="the same command before the uint8 transport (the file's `note`)"),
+        Source("loader.before_coverage.json", note="the same command before issue 37's sample-range epochs "
+                                                   "(the file's `note`)"))),
     Family("ingest", "make-shards --hf-dataset against a bare pyarrow + tarfile loop", data.ingest, (
         Source("ingest.json", note=removed("benchmarks/data/ingest.py")),)),
     Family("leakage", "check-leakage per core: hashing, the index query, the Git-10M projection", data.leakage, (

@@ -33,8 +33,9 @@ repeat (median, min..max reported). Cores per GPU = the preset's samples/s per G
 loader's samples per CPU-second at its input size (base: 224, large: 256).
 
 The breakdown (--breakdown, on by default) runs one stream's stages in this process over the
-same shards and reports CPU microseconds per sample: tar reading, shuffle buffer, per-sample
-generator, SampleDecoder (decode, augment, resize), Collate (tokenisation apart), a fresh
+same shards and reports CPU microseconds per sample: tar reading (whole shards, and the second
+half of each as a stream whose range starts mid-shard reads it, schedule.py), shuffle buffer,
+per-sample generator, SampleDecoder (decode, augment, resize), Collate (tokenisation apart), a fresh
 shared-memory segment per batch written once (what a worker's Collate does with every batch
 tensor) against writing a segment kept mapped; the loader's measured CPU per sample minus these
 is the hand-over to the main process and its work (pickling, the fd passing, mapping, the copy).
@@ -220,7 +221,7 @@ def breakdown(pattern: str, tokenizer, size: int, micro: int) -> dict:
     from rsclip_ds.data.bad import StreamCounter
     from rsclip_ds.data.loader import _shuffled
     from rsclip_ds.data.schedule import derive_seed
-    from rsclip_ds.data.tar import read_shard
+    from rsclip_ds.data.tar import read_piece, read_shard
     from rsclip_ds.data.tokenizer import tokenize
 
     loader = build_loader(pattern, tokenizer, size, 0, micro)
@@ -238,8 +239,12 @@ def breakdown(pattern: str, tokenizer, size: int, micro: int) -> dict:
         for b in batches:
             for k, v in kept[0].items():
                 v.copy_(b[k])
+    halves = [(u, c // 2, c - c // 2) for u, c in loader.schedule.counts.items()]   # a shard split between two streams
     stages = {
         "tar read + grouping": _per_sample(lambda: [s for u in urls for s in read_shard(u, StreamCounter({}))], n),
+        "tar read of a shard's second half (seeking over the first)": _per_sample(
+            lambda: [s for u, skip, take in halves for s in read_piece(u, StreamCounter({}), skip, take, True)],
+            sum(take for *_, take in halves)),
         "shuffle buffer": _per_sample(lambda: list(_shuffled(iter(samples), loader.cfg.shuffle_buffer,
                                                              random.Random(0))), n),
         "per-sample generator": _per_sample(lambda: [random.Random(derive_seed(0, "sample", 0, i, s["__key__"]))
