@@ -41,7 +41,6 @@ says the same from the counts).
 from __future__ import annotations
 
 import logging
-import os
 import random
 import signal
 from functools import partial
@@ -63,7 +62,8 @@ from rsclip_ds.data.tar import read_piece
 from rsclip_ds.data.tokenizer import tokenize
 from rsclip_ds.data.transforms import ImageTransform, SampleDecoder
 from rsclip_ds.data.where import Where, json_columns
-from rsclip_ds.data.workers import LoaderWorkerDied, Supervisor, WorkerDeath
+from rsclip_ds.data.workers import LoaderWorkerDied, Supervisor, WorkerDeath, available_cores, requested_workers
+from rsclip_ds.data.workers import auto_num_workers  # noqa: F401 -- where rsclip_ds.data imports it from
 
 log = logging.getLogger("rsclip_ds.data")
 
@@ -143,7 +143,8 @@ class StreamDataset(IterableDataset):
         schedule, bufsize = self.schedule, self.cfg.shuffle_buffer
         moved = schedule.transition if schedule.transition and schedule.transition.epoch == epoch else None
         if schedule.policy == "resampled":
-            draws = (Piece(url, 0, 0, True) for url in schedule.draw(epoch, self.rank, stream, moved.salt if moved else ()))
+            salt = moved.salt if moved else ()
+            draws = (Piece(url, 0, 0, True) for url in schedule.draw(epoch, self.rank, stream, salt))
             yield from _shuffled(self._read(draws, 2 * len(schedule.urls) + 10, stream, counter, counted=False),
                                  bufsize, rng)
             return
@@ -205,8 +206,8 @@ class StreamDataset(IterableDataset):
                 batch.append(item)
                 if len(batch) == self.collate.micro:
                     done += 1
-                    meta = {"stream": stream, "epoch": epoch, "taken": n, "done": done,
-                            "opened": counter.opened, "closed": counter.closed, "bad": dict(counter.bad), "samples": counter.samples,
+                    meta = {"stream": stream, "epoch": epoch, "taken": n, "done": done, "opened": counter.opened,
+                            "closed": counter.closed, "bad": dict(counter.bad), "samples": counter.samples,
                             "shards": counter.shards, "events": counter.events, "keys": [it[2] for it in batch]}
                     counter.events = []
                     yield {**self.collate(batch), "_meta": meta}
@@ -390,7 +391,7 @@ class TrainLoader:
         """Batches from the current position on (a second iter() continues, it does not restart).
         A worker that dies is named and replaced at the same position once (workers.py); the
         `on_worker_death` callback hears of it; a second death raises LoaderWorkerDied."""
-        self.schedule.start(self.schedule.epoch_of(self.batches) + 1)   # data too small: DataError here, not in a worker
+        self.schedule.start(self.schedule.epoch_of(self.batches) + 1)   # too little data: DataError here
         self._supervisor = Supervisor(self._dataloader, self.rank, self._worker_died)
         for batch in self._supervisor:
             self._on_batch(batch.pop("_meta"))
@@ -425,33 +426,6 @@ def _ignore_sigterm(_worker_id: int) -> None:
     signal.signal(signal.SIGTERM, first)
 
 
-def available_cores() -> int:
-    """CPU cores this process may run on: its affinity mask (a container's cpuset, taskset,
-    numactl), not the machine's count. A CPU quota (docker --cpus) does not show here."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:   # not Linux
-        return os.cpu_count() or 1
-
-
-def auto_num_workers(cores: int, local_ranks: int) -> int:
-    """data.num_workers=auto: the node's cores shared by its ranks, one core of each share left
-    to the rank's own process (it receives the batches and drives the device), at least 1."""
-    return max(1, cores // max(1, local_ranks) - 1)
-
-
-def _requested_workers(cfg: DataConfig, state: dict | None, cores: int, local_ranks: int) -> tuple[int, str]:
-    """Workers per rank, and why (for the log line of 'auto')."""
-    if cfg.num_workers != "auto":
-        return cfg.num_workers, ""
-    mine = auto_num_workers(cores, local_ranks)
-    saved = len(state["streams"]) if state is not None and "streams" in state else None   # remap: any count
-    if saved is not None and saved != mine:   # exact resume needs the saved streams
-        return saved, (f"the saved data position's count, which exact resume needs; {cores} core(s) for "
-                       f"{local_ranks} rank(s) here would give {mine}")
-    return mine, f"{cores} core(s) for {local_ranks} rank(s) on this node, less one per rank for its own process"
-
-
 def _is_rank_of_group(rank: int, world_size: int) -> bool:
     """Whether the caller is ``rank`` of a started process group of ``world_size`` > 1 ranks (a
     training run): then rank 0 reads the shard counts for all. Tests that play several ranks in
@@ -483,7 +457,8 @@ def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_
     teacher's image size) and ``teacher_input_ids`` (the teacher's tokenizer and text length)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
-    workers, why = _requested_workers(cfg, state, available_cores() if cores is None else cores, local_world_size)
+    cores = available_cores() if cores is None else cores
+    workers, why = requested_workers(cfg.num_workers, state, cores, local_world_size)
     group = _is_rank_of_group(rank, world_size)
     kept = partial(kept_counts_over_ranks if group else kept_counts,
                    cache_dir=None if cache_dir is None else Path(cache_dir))

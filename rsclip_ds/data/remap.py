@@ -65,7 +65,8 @@ from rsclip_ds.data.tar import read_piece
 STATE_VERSION = 3          # 2: + remap, carried, shuffle_buffer; 3: streams read sample ranges (issue 37)
 READABLE_VERSIONS = (3,)    # 1 and 2 split whole shards: their positions mean other samples
 
-FIXES = {"version": "resume with an rsclip_ds that reads it; before version 3 the streams split whole shards", "seed": "run with the seed of the saved run",
+FIXES = {"version": "resume with an rsclip_ds that reads it; before version 3 the streams split whole shards",
+         "seed": "run with the seed of the saved run",
          "policy": "keep data.policy", "shards": "keep data.train_shards / data.train_weights and the shard "
          "sample counts (index JSON)"}
 
@@ -159,7 +160,8 @@ class Transition:
         for seg in segments:
             yield from self._segment(seg, counter, shuffle, keep)
 
-    def _segment(self, seg: Segment, counter: StreamCounter, shuffle: Callable, keep: Callable | None) -> Iterator[dict]:
+    def _segment(self, seg: Segment, counter: StreamCounter, shuffle: Callable,
+                 keep: Callable | None) -> Iterator[dict]:
         """Replay old stream (seg.rank, seg.stream)'s first pass of the epoch as it read it (same
         pieces, same buffer seed) and yield positions [begin, end), undecoded."""
         pieces, scratch, carry = self.old.pieces(self.epoch, seg.rank, seg.stream), StreamCounter({}), [0]

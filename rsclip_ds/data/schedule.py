@@ -261,7 +261,7 @@ class EpochSchedule:
             return f"{head} samples drawn with replacement from {c['epoch_samples']:,} ({pct}, data.policy=resampled)"
         if c["transition"]:
             return f"{head} of the {c['epoch_samples']:,} samples left at the remap ({pct})"
-        kept = f" kept by data.where" if self.kept is not None else ""
+        kept = " kept by data.where" if self.kept is not None else ""
         return f"{head} of {c['epoch_samples']:,} samples{kept} ({pct})"
 
     def digest(self) -> str:
