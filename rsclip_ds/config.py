@@ -92,9 +92,10 @@ class DataConfig(Strict):
         "rank's own process, at least 1; 'exact' caps it at the rank's shards; a resumed run keeps the "
         "saved count (exact resume needs the same streams). 0: batches are made in the rank's process.")
     policy: Literal["exact", "resampled"] = Field(
-        "exact", description="Epoch policy. 'exact': every epoch reshuffles the shard list and splits it by "
-        "rank then worker; every rank gets the same number of batches, the samples of the fuller streams "
-        "beyond that are dropped for this epoch (at most about one shard per worker; see docs/guides/data.md). "
+        "exact", description="Epoch policy. 'exact': every epoch reshuffles the shard list and reads it as one "
+        "sequence of samples cut into consecutive ranges per rank and worker (a shard may be split); every "
+        "rank gets the same number of batches, and an epoch delivers every sample once less fewer than one "
+        "global batch (the start-up line says how many; see docs/guides/data.md). "
         "'resampled': every worker draws shards with replacement; an epoch is `epoch_batches` batches.")
     epoch_batches: Optional[int] = Field(
         None, ge=1, description="'resampled' only: batches per rank per epoch (default: all samples in "

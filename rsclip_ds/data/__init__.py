@@ -1,7 +1,7 @@
 """Training data: webdataset tar shards -> decoded, tokenized, full micro-batches per rank.
 
     sources.py       shard specs (braces, globs, lists, pipe:/http urls) -> urls; sample counts
-    schedule.py      which shards each (rank, worker) stream reads per epoch, batches per epoch
+    schedule.py      which samples (shard pieces) each (rank, worker) stream reads per epoch, batches, coverage
     tar.py           tar members -> samples; broken tars counted, never raised
     transforms.py    the one image transform (training and evaluation), sample decoding; Normalize (reference)
     bad.py           bad-data kinds, per-stream counts, the stop threshold (DataError)

@@ -20,11 +20,12 @@ Cost, measured on this project's 2-core CPU with the tars in the page cache: 24 
 (10,000 samples of 3 members in 0.24 s), so Git-10M's 10.5M samples take ~4 CPU-minutes, ~4 s
 split over 64 ranks; from a cold disk it is one seek per member (the JSON members are read).
 
-Then every stream's quota is filled by one pass over its shards: the summary's filtered_out is
-the filtered samples of what the streams read, exact across resume (the counts are part of the
-saved position's shard digest). Two cases are not exact: bad data (a kept sample with a corrupt
-image still shortens its stream, which reads its shards again, as without a filter), and a remap
-to another world size inside an epoch (remap.py sizes the transition epoch from all samples left).
+The schedule (schedule.py) cuts the kept samples, not all samples, into the streams' ranges, and
+the streams filter while they read (tar.read_piece counts skips and takes in kept samples), so
+every stream's quota is filled by one pass over its pieces: the summary's filtered_out is the
+filtered samples of what the streams read, exact across resume and a remap (the counts are part
+of the saved position's shard digest). A kept sample with a corrupt image is made up from the
+stream's share of the epoch's leftover, as without a filter.
 Remote shards (pipe:, http(s)://, ...) cannot be walked without streaming them all once more:
 under exact + data.where they are refused, naming data.policy=resampled.
 """

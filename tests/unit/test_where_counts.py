@@ -79,6 +79,16 @@ def test_kept_counts_equal_a_brute_force_count(shards):
     assert not Where.parse(WHERE)(json_columns(b"[1]")) and json_columns(None) == {}
 
 
+def _piece_flags(flags: list[bool], piece) -> list[bool]:
+    """The filter's verdicts on the samples a stream reads of a piece of a shard: from the one after
+    the shard's skip-th kept sample (the first when skip is 0) to its (skip + take)-th kept one (to
+    the shard's end for its last piece)."""
+    kept_at = [i for i, keep in enumerate(flags) if keep]
+    begin = kept_at[piece.skip - 1] + 1 if piece.skip else 0
+    end = len(flags) if piece.last else kept_at[piece.skip + piece.take - 1] + 1
+    return flags[begin:end]
+
+
 def _streams(urls, world: int, workers: int, epochs: int, monkeypatch, tokenizer, *, unfiltered=False):
     """Play every (rank, worker) stream of ``epochs`` epochs in this process (the DataLoader would
     give worker w its id; here _worker says so) -> {(epoch, rank, w): [batch metas]}, schedule."""
@@ -114,13 +124,13 @@ def test_every_stream_fills_its_quota_in_one_pass_and_counts_exactly(shards, wor
             for w in range(schedule.workers_of(rank)):
                 if (epoch, rank, w) not in got:   # a stream with no batch in this epoch
                     continue
-                mine, batches = schedule.shards(epoch, rank, w), got[(epoch, rank, w)]
+                mine, batches = schedule.pieces(epoch, rank, w), got[(epoch, rank, w)]
                 meta = batches[-1]["_meta"]
                 assert meta["opened"] <= len(mine)                   # no shard read a second time
                 # brute force: this stream's samples in shard order (no shuffle buffer) up to the
                 # quota's last kept one; what the filter dropped before it is filtered_out
                 need, dropped = len(batches) * MICRO, 0
-                for keep in (f for u in mine for f in flags[u]):
+                for keep in (f for p in mine for f in _piece_flags(flags[p.url], p)):
                     if need == 0:
                         break
                     need, dropped = (need - 1, dropped) if keep else (need, dropped + 1)
@@ -131,7 +141,7 @@ def test_every_stream_fills_its_quota_in_one_pass_and_counts_exactly(shards, wor
 def test_sized_from_all_samples_a_stream_would_read_its_shards_again(shards, monkeypatch, tiny_tokenizer):
     """The test above means something: with the unfiltered counts some stream re-reads."""
     got, schedule = _streams(shards, 2, 2, 1, monkeypatch, tiny_tokenizer, unfiltered=True)
-    assert any(batches[-1]["_meta"]["opened"] > len(schedule.shards(0, r, w)) for (_, r, w), batches in got.items())
+    assert any(batches[-1]["_meta"]["opened"] > len(schedule.pieces(0, r, w)) for (_, r, w), batches in got.items())
 
 
 def test_counts_are_cached_by_shard_list_index_and_expression(shards, tmp_path, monkeypatch):
