@@ -3,6 +3,7 @@
     rsclip-ds plan --model git-rsclip-large --gpus 4 --gpu-mem 24GiB --global-batch 4096
     rsclip-ds plan --params 5e9 --gpus 4 --gpu-mem 24GiB --global-batch 1024 --json
     rsclip-ds plan --nodes 4 --gpus-per-node 8 --inter-node-gbps 100 --gpu-mem 141GB --global-batch 32768
+    rsclip-ds plan --model git-rsclip-large --gpus 4 --gpu-mem 24GiB --global-batch 256 --shards 'rsicd/train-{000000..000087}.tar'
 
 The numbers come from `rsclip_ds.planning.memory` (the peak's terms) and `rsclip_ds.planning.planner` (fit and
 speed, the reason for the pick, the nearest fit); formulas and assumptions are in their docstrings.
@@ -81,6 +82,16 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "FLOPs and activations on the kept patches), e.g. --set model.patch_dropout=0.5; and distill.teacher "
                    "(a preset or a SigLIP folder), distill.dtype, distill.placement: the teacher's weights, inputs, "
                    "forward and FLOPs, e.g. --set distill.teacher=git-rsclip-large")
+    p.add_argument("--shards", metavar="PATTERN",
+                   help="your training shards (data.train_shards' syntax): each row also says how much of the data "
+                        "one epoch delivers at its micro-batch (data.policy=exact: every sample less fewer than one "
+                        "global batch), read from the shards' counts (index.json, else the tars' headers), nothing "
+                        "decoded; --set data.where=... / data.train_weights=... / data.policy=... apply")
+    p.add_argument("--workers", type=int, metavar="K",
+                   help="--shards: DataLoader workers per rank (default: what data.num_workers=auto gives here: this "
+                        "machine's cores shared by --gpus ranks, less one each); the epoch's size does not depend on it")
+    p.add_argument("--micro", type=int, metavar="M",
+                   help="--shards: the micro-batch you will run, for every row's coverage (default: each row's own)")
     p.add_argument("--json", action="store_true", help="print rows, the recommendation and its `reason` as JSON "
                    "(`recommended` null and `nearest_fit` set when nothing fits)")
     p.add_argument("--write-config", type=Path, metavar="PATH",
@@ -103,11 +114,34 @@ def _plan_config(args):
     """The --set fine-tuning controls and patch dropout, validated as the run config validates them."""
     from rsclip_ds.config import load_config
 
-    wrong = [s for s in args.set if not s.startswith(("finetune.", "model.patch_dropout=", "distill."))]
+    wrong = [s for s in args.set if not s.startswith(("finetune.", "model.patch_dropout=", "distill.", "data."))]
     if wrong:
-        raise ConfigError(f"rsclip-ds plan --set takes finetune.* and distill.* keys and model.patch_dropout only, "
-                          f"not {wrong}")
+        raise ConfigError(f"rsclip-ds plan --set takes finetune.*, distill.* and data.* keys and model.patch_dropout "
+                          f"only, not {wrong}")
+    if any(s.startswith("data.") for s in args.set) and not args.shards:
+        raise ConfigError("rsclip-ds plan --set data.*: the data keys shape an epoch's coverage, which needs "
+                          "--shards PATTERN")
     return load_config(None, args.set)
+
+
+def epoch_coverage(args, data, micros: set[int], world_size: int) -> dict[int, dict]:
+    """--shards: epoch 0's coverage (schedule.EpochSchedule.coverage) at each micro-batch, on `world_size`
+    ranks of --workers workers: what a run of those shards delivers per epoch, from their counts."""
+    from rsclip_ds.data.schedule import build_epoch_schedule
+    from rsclip_ds.data.workers import auto_num_workers, available_cores
+
+    workers = args.workers if args.workers is not None else auto_num_workers(available_cores(), args.gpus)
+    cfg = data.model_copy(update={"train_shards": args.shards, "num_workers": workers})
+    out = {}
+    for micro in sorted(m for m in micros if m > 0):
+        try:
+            schedule = build_epoch_schedule(cfg, micro_batch_size=micro, world_size=world_size, seed=0,
+                                            num_workers=workers)
+        except (ConfigError, ValueError) as err:   # a shard set the run refuses outright: say it per row
+            out[micro] = {"coverage": None, "refused": str(err), "line": f"micro {micro}: refused: {err}"}
+            continue
+        out[micro] = {**schedule.coverage(0), "workers": workers, "line": schedule.describe(0)}
+    return out
 
 
 def launch_command(row, args, gpus_per_node: int, nodes: int) -> str:
@@ -116,7 +150,7 @@ def launch_command(row, args, gpus_per_node: int, nodes: int) -> str:
     return f"deepspeed {where} --module rsclip_ds train --config CONFIG {sets}"
 
 
-def _print_table(rows, best, args, spec, why: str) -> None:
+def _print_table(rows, best, args, spec, why: str, coverage: dict[int, dict] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -124,15 +158,17 @@ def _print_table(rows, best, args, spec, why: str) -> None:
                         f"of {args.gpu_mem}, global batch {args.global_batch}, {args.precision}"
                         f"{', bf16 masters' if args.master_weights == 'bf16' else ''}")
     for col in ("profile", "act. ckpt", "fits", "GiB/GPU", "allocated", "peak in", "CPU GiB/node", "max micro",
-                "micro x accum", "step s", "compute s", "comm intra s", "comm inter s", "host s", "rel. speed"):
+                "micro x accum", "step s", "compute s", "comm intra s", "comm inter s", "host s", "rel. speed",
+                *(["epoch coverage"] if coverage is not None else [])):
         table.add_column(col, justify="left" if col in ("profile", "peak in") else "right", no_wrap=col == "profile")
     for r in rows:
         mark = " *" if r is best else ("" if r.candidate else " (-)")
+        cov = [_coverage_cell(coverage, args.micro or r.micro) if r.fits else "-"] if coverage is not None else []
         table.add_row(r.profile + mark, "on" if r.checkpointing else "off", "yes" if r.fits else "no",
                       f"{r.gpu_gib:.1f}", f"{r.allocated_gib:.1f}", r.phase, f"{r.cpu_gib_node:.1f}", str(r.max_micro),
                       f"{r.micro} x {r.accumulation}" if r.fits else "-", *(
                           (f"{r.step_s:.3g}", f"{r.compute_s:.3g}", f"{r.comm_intra_s:.3g}", f"{r.comm_inter_s:.3g}",
-                           f"{r.host_s:.3g}", f"{r.relative_speed:.2f}") if r.fits else ["-"] * 6))
+                           f"{r.host_s:.3g}", f"{r.relative_speed:.2f}") if r.fits else ["-"] * 6), *cov)
     console = Console()
     if console.width < 180:   # pipes and CI logs default to 80 columns: keep the table readable
         console = Console(width=180)
@@ -142,9 +178,22 @@ def _print_table(rows, best, args, spec, why: str) -> None:
     console.print("step s = compute + communication (per collective the slower of intra-node and inter-node time) "
                   f"- {args.overlap:g} x the overlap + offload + host s; comm intra/inter s: each link's time per step; "
                   "host s: the ZeRO stage's own host and hook time (ZeRO-3's hooks, measured on an H200).")
+    if coverage is not None:
+        workers = next((c["workers"] for c in coverage.values() if "workers" in c), args.workers)
+        console.print(f"epoch coverage: the share of {args.shards}'s samples one epoch delivers ({workers} worker(s) per "
+                      f"rank; data.policy=exact leaves out fewer than one global batch):", soft_wrap=True)
+        for micro, c in coverage.items():
+            console.print(f"  micro {micro}: {c['line']}", soft_wrap=True)
     for profile, note in sorted({(r.profile, r.note) for r in rows if r.note}):
         console.print(f"{profile}{'' if any(r.candidate for r in rows if r.profile == profile) else ' (-)'}: {note}")
     console.print(f"* recommended: {why}" if best else why, soft_wrap=True)
+
+
+def _coverage_cell(coverage: dict[int, dict], micro: int) -> str:
+    c = coverage.get(micro) or {}
+    if c.get("refused"):
+        return "refused"
+    return f"{100 * c['coverage']:.1f} %" if c.get("coverage") is not None else "-"
 
 
 def run(args) -> int:
@@ -197,6 +246,10 @@ def _run(args) -> tuple[dict | None, int]:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     why = reason(best, rows, budget) if best else nearest.text
+    coverage = None
+    if args.shards:
+        micros = {args.micro} if args.micro else {r.micro for r in rows if r.fits}
+        coverage = epoch_coverage(args, run_config.data, micros, budget.gpus * budget.nodes)
     command = launch_command(best, args, args.gpus, args.nodes) if best and not args.params else None
     if command and best.profile not in available_profiles():   # a hybrid modelled from planner.HYBRID
         command += (f"   # ds_profiles/{best.profile}.json is not in this checkout: --write-config writes "
@@ -207,10 +260,11 @@ def _run(args) -> tuple[dict | None, int]:
                "finetune": finetune.model_dump(), "master_weights": args.master_weights, "gpus": budget.gpus,
                "gpu_bytes": budget.gpu_bytes, "global_batch": args.global_batch, "nodes": args.nodes,
                "intra_bw_gbs": args.intra_bw, "inter_bw_gbs": hw.inter_bw / 1e9, "overlap": args.overlap,
-               "rows": [r.to_dict() for r in rows], "recommended": best.to_dict() if best else None,
+               "rows": [_row_doc(r, coverage, args.micro) for r in rows],
+               "recommended": _row_doc(best, coverage, args.micro) if best else None,
                "reason": why, "nearest_fit": nearest.to_dict() if nearest else None, "command": command}
     else:
-        _print_table(rows, best, args, spec, why)
+        _print_table(rows, best, args, spec, why, coverage)
         if command:
             print(command)
     if args.write_config and best is None:
@@ -223,6 +277,17 @@ def _run(args) -> tuple[dict | None, int]:
         if not args.json:
             print(f"DeepSpeed config written to {args.write_config}")
     return doc, 0 if best else EXIT_NOTHING_FITS
+
+
+def _row_doc(row, coverage: dict[int, dict] | None, micro: int | None) -> dict:
+    """A row for --json; with --shards, `coverage` (the fraction of the data one epoch delivers at the
+    row's micro-batch, or --micro's; None where the row does not fit or the data is refused) and `epoch`."""
+    doc = row.to_dict()
+    if coverage is not None:
+        c = coverage.get(micro or row.micro) if row.fits else None
+        doc["coverage"] = c.get("coverage") if c else None
+        doc["epoch"] = {k: v for k, v in c.items() if k != "line"} if c else None
+    return doc
 
 
 def write_config(row, args, world_size: int, path: Path) -> dict:

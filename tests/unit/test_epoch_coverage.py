@@ -297,3 +297,30 @@ def test_the_data_guide_s_examples_are_what_the_schedule_computes():
             continue
         assert (int(batches), delivered) == (cover["batches_per_rank"],
                                              f"{cover['samples']:,} ({100 * cover['coverage']:.1f} %)"), row
+
+
+def test_plan_says_each_rows_epoch_coverage_from_the_shards_counts(tmp_path, capsys):
+    """`rsclip-ds plan --shards`: the share of the data one epoch delivers at each row's micro-batch
+    (or --micro's) on the plan's ranks, in the table and as `coverage` in --json, from the shards'
+    counts (nothing decoded); data.* keys without --shards are refused."""
+    from rsclip_ds.cli import main
+    from tests.helpers import write_shards
+
+    pattern = write_shards(tmp_path, [100, 100, 100, 37])   # 337 samples, an uneven last shard
+    base = ["plan", "--model", "git-rsclip-base", "--gpus", "2", "--gpu-mem", "24GiB", "--global-batch", "64",
+            "--shards", pattern]
+    assert main([*base, "--micro", "16", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    fits = [r for r in doc["rows"] if r["fits"]]
+    assert fits and all(r["coverage"] == (337 // 32) * 32 / 337 for r in fits)           # 10 batches of 2 x 16
+    assert doc["recommended"]["epoch"]["batches_per_rank"] == 10 and doc["recommended"]["epoch"]["epoch_samples"] == 337
+    assert all(r["coverage"] is None for r in doc["rows"] if not r["fits"])
+    assert main([*base, "--json"]) == 0                      # each row's own micro-batch: 32 x 1 on 2 ranks
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {(r["micro"], r["coverage"]) for r in rows if r["fits"]} == {(32, (337 // 64) * 64 / 337)}
+    assert main([*base, "--set", "data.train_weights=[2]", "--micro", "16"]) == 0   # the table; the source twice
+    out = capsys.readouterr().out
+    assert "epoch coverage" in out and "epoch 0: 21 batches per rank = 672 of 674 samples (99.7 %)" in out
+    assert main(["plan", "--model", "git-rsclip-base", "--gpus", "2", "--gpu-mem", "24GiB", "--global-batch", "64",
+                 "--set", "data.policy=resampled"]) == 2
+    assert "needs --shards PATTERN" in capsys.readouterr().err
