@@ -17,6 +17,7 @@ from rsclip_ds.checkpoint import tag_for
 from rsclip_ds.data.workers import LoaderWorkerDied  # noqa: F401 -- exit code 7, raised by the loader and the Trainer
 from rsclip_ds.engine import engine_dtype, loss_scale
 from rsclip_ds.profiles import BatchSizes
+from rsclip_ds.reporting.epochs import EpochWatch
 from rsclip_ds.reporting.load import DataWaitWatch, LoadWindow, TimedBatches, add_to_totals, peak_memory, rank_record
 from rsclip_ds.reporting.metrics import MetricsLog
 from rsclip_ds.reporting.progress import ProgressReporter
@@ -353,6 +354,7 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
     last = min(steps, stop_after or steps)   # stop_after ends this process early, same schedule
     if start == 0:   # a fresh run: hooks see the initial model too (evaluation from chance)
         _run_hooks(hooks, 0, engine, result, reporter, metrics)
+    epochs = EpochWatch(loader)   # the epochs the loader finishes: metrics.jsonl's epoch_end lines
     batches = TimedBatches(guard.delayed(batches, rank, world))   # counts the seconds blocked in next()
     window, window_from = LoadWindow(batches, engine.device), start   # this rank's load after step window_from
     last_line = start
@@ -362,6 +364,8 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
         result.lrs.append(float(engine.get_lr()[0]))
         loss = optimizer_step(engine, batches, loss_fn, sizes, accumulation, dtype, distiller)
         pending.append(guard.loss_hook(step, guard.step_value(loss, engine), rank))
+        for record in epochs.ended():
+            metrics.epoch_end(step, record)
         if step == start + 1:
             t_first = time.perf_counter()   # excludes lazy init / first-call overheads
             result.first_step_s = t_first - t_loop

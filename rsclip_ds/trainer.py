@@ -48,6 +48,7 @@ from rsclip_ds.model import (ModelBundle, PatchDropoutSwitch, apply_activation_c
 from rsclip_ds.profiles import (BatchSizes, Profile, activation_checkpointing_enabled, build_ds_config,
                                 derive_batch, load_profile, one_rank_overlap, scaled_lr)
 from rsclip_ds.reporting.curves import plot_curves
+from rsclip_ds.reporting.epochs import epochs_record, startup_lines
 from rsclip_ds.reporting.load import DataWaitWatch
 from rsclip_ds.reporting.metrics import MetricsLog
 from rsclip_ds.reporting.progress import ProgressReporter
@@ -258,6 +259,9 @@ class Trainer:
                 check_shared_memory(loader, held=batch.accumulation, local_ranks=info.local_world_size)
             if hasattr(loader, "on_worker_death"):   # a dead worker: an agreed stop with a checkpoint
                 loader.on_worker_death = self._worker_died
+        if info.rank == 0:
+            for line in startup_lines(loader):
+                log.info("data: %s", line)
         threads, why = set_threads_per_rank(run.distributed.threads_per_rank, available_cores(),
                                             info.local_world_size, getattr(loader, "num_workers", 0))
         if info.rank == 0:
@@ -387,6 +391,9 @@ class Trainer:
                                 activation_checkpointing=p.activation_checkpointing, loss=run.loss.name,
                                 negatives=run.loss.negatives, accumulation=run.batch.accumulation)
         summary["startup_s"] = {**self.startup, "total": sum(v for v in self.startup.values() if v)}
+        epochs = epochs_record(p.loader)
+        if epochs is not None:   # what each epoch delivered of its data (data.policy=exact: all but < 1 global batch)
+            summary["epochs"] = epochs
         if not self.info.on_gpu:   # the allocator's settings and rank 0's memory in huge pages at the end
             summary["host_memory"] = host_memory_state(run.distributed.host_memory)
         compiled = ""

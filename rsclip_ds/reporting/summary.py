@@ -66,11 +66,31 @@ def print_summary(summary: dict[str, Any]) -> None:
     ]
     if s.get("loss_scale") is not None:
         rows.append(("fp16 loss scale", f"{s['loss_scale']:g}"))
+    rows += _epoch_rows(s.get("epochs"))
     rows += _load_rows(s.get("load"))
     rows += _fault_rows(s)
     for row in rows:
         table.add_row(*row)
     Console().print(table)
+
+
+def _epoch_rows(epochs: list[dict[str, Any]] | None) -> list[tuple[str, str]]:
+    """'2 complete, epoch 2 at 40 %; an epoch: 21 batches per rank = 1,008 of 1,024 samples (98.4 %)'
+    (the last full epoch's size; a remap's transition epoch is said apart)."""
+    if not epochs:
+        return []
+    done = [e for e in epochs if e["complete"]]
+    said = f"{len(done)} complete"
+    last = epochs[-1]
+    if not last["complete"] and last["delivered"]:
+        said += f", epoch {last['epoch']} at {100 * last['delivered'] / last['samples']:.0f} %"
+    full = next((e for e in reversed(epochs) if not e["transition"]), epochs[-1])
+    size = f"{full['batches_per_rank']:,} batches per rank = {full['samples']:,}"
+    if full["epoch_samples"] is not None and full["policy"] == "exact":
+        size += f" of {full['epoch_samples']:,} samples ({100 * full['coverage']:.1f} %)"
+    else:
+        size += " samples drawn with replacement"
+    return [("epochs", f"{said}; an epoch: {size}")]
 
 
 # the metrics the summary table shows when they exist (summary.json and eval/*.json have all)

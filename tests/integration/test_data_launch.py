@@ -14,9 +14,11 @@ from webdataset import TarWriter
 
 from rsclip_ds.config import DataConfig
 from rsclip_ds.data import StreamCounter, build_train_loader, read_shard
+from rsclip_ds.data.sources import expand_urls
 from rsclip_ds.data.synthetic import make_synthetic
 from rsclip_ds.model import load_tokenizer
-from tests.integration.helpers import ROOT, deepspeed_cmd, free_port, launch_env, run_checked, train_args
+from tests.integration.helpers import (BASE_OVERRIDES, DEMO_CONFIG, ROOT, deepspeed_cmd, free_port, launch_env,
+                                       run_checked, train_args)
 
 pytestmark = pytest.mark.slow
 MICRO, STEPS = 16, 20
@@ -77,3 +79,39 @@ def test_too_much_bad_data_stops_the_run_with_the_fix(messy, tmp_path):
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0, text[-3000:]
     assert "DataError" in text and "data.max_bad_fraction=0.001" in text, text[-3000:]
+
+
+def test_two_epochs_deliver_every_sample_once_less_one_global_batch(launch_data, tmp_path):
+    """1,024 samples, 2 ranks x 4 workers, micro 24: a global batch of 48, so an epoch is 21 batches
+    per rank = 1,008 samples. What each rank's loader handed out (its tap, not the schedule): in each
+    of two epochs 1,008 distinct samples of the set; metrics.jsonl marks each epoch's end at its
+    step, summary.json and the start-up line say the same."""
+    import json
+
+    from rsclip_ds.reporting.metrics import read_metrics
+
+    out, keys = tmp_path / "run", tmp_path / "keys"
+    keys.mkdir()
+    sets = BASE_OVERRIDES + [f"output_dir={out}", f"data.train_shards={launch_data['shards']}",
+                             f"model.tokenizer={launch_data['tokenizer']}", "steps=42", "batch.micro_batch_size=24",
+                             "data.num_workers=4", "logging.log_every=7", "checkpoint.at_end=false"]
+    cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port()),
+                             str(ROOT / "tests" / "integration" / "epoch_worker.py"), "--config", str(DEMO_CONFIG),
+                             "--keys", str(keys), *[a for s in sets for a in ("--set", s)]]
+    proc = run_checked(cmd, timeout=400)
+    assert "data: epoch 0: 21 batches per rank = 1,008 of 1,024 samples (98.4 %)" in proc.stdout + proc.stderr
+    every = {s["__key__"] for u in expand_urls(launch_data["shards"]) for s in read_shard(u, StreamCounter({}))}
+    assert len(every) == 1024
+    taps = [json.loads(line) for r in (0, 1) for line in (keys / f"rank{r}.jsonl").read_text().splitlines()]
+    for rank in (0, 1):
+        lines = (keys / f"rank{rank}.jsonl").read_text().splitlines()
+        assert [json.loads(t)["index"] for t in lines] == list(range(42))           # 21 per epoch, each rank
+    for epoch in (0, 1):
+        got = [k for t in taps if t["epoch"] == epoch for k in t["keys"]]
+        assert len(got) == 1008 and len(set(got)) == 1008 and set(got) <= every
+    ends = [e for e in read_metrics(out / "metrics.jsonl")["events"] if e["event"] == "epoch_end"]
+    assert [(e["epoch"], e["step"], e["samples"], e["batches_per_rank"]) for e in ends] == \
+        [(0, 21, 1008, 21), (1, 42, 1008, 21)]
+    epochs = json.loads((out / "summary.json").read_text())["epochs"]
+    assert [(e["epoch"], e["delivered"], e["complete"], e["epoch_samples"]) for e in epochs] == \
+        [(0, 1008, True, 1024), (1, 1008, True, 1024)]

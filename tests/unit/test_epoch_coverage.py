@@ -324,3 +324,36 @@ def test_plan_says_each_rows_epoch_coverage_from_the_shards_counts(tmp_path, cap
     assert main(["plan", "--model", "git-rsclip-base", "--gpus", "2", "--gpu-mem", "24GiB", "--global-batch", "64",
                  "--set", "data.policy=resampled"]) == 2
     assert "needs --shards PATTERN" in capsys.readouterr().err
+
+
+class _Loader:
+    """What reporting/epochs.py reads of a loader: its schedule and the batches handed out so far."""
+
+    def __init__(self, schedule, batches=0):
+        self.schedule, self.batches = schedule, batches
+
+
+def test_the_run_says_each_epochs_size_and_end_from_the_batches_handed_out():
+    """RSICD's 8,734 samples on 4 ranks at micro 64 (a global batch of 256): 34 batches per rank an
+    epoch. The start-up line, an epoch_end per finished epoch after the step that finished it (with
+    accumulation an epoch ends inside a step), summary.json's epochs with the part of the current one."""
+    from rsclip_ds.reporting.epochs import EpochWatch, epochs_record, startup_lines
+
+    counts = _shards(8734, 1000)
+    schedule = EpochSchedule([list(counts)], [1.0], "exact", 0, 4, 8, 64, counts=counts)
+    loader = _Loader(schedule)
+    assert startup_lines(loader) == ["epoch 0: 34 batches per rank = 8,704 of 8,734 samples (99.7 %)"]
+    watch, ends = EpochWatch(loader), []
+    for step in range(1, 41):       # 2 micro-batches per optimizer step: epoch 0 ends inside step 17
+        loader.batches += 2
+        ends += [(step, e["epoch"], e["samples"]) for e in watch.ended()]
+    assert ends == [(17, 0, 8704), (34, 1, 8704)]
+    record = epochs_record(loader)
+    assert [(e["epoch"], e["delivered"], e["complete"]) for e in record] == \
+        [(0, 8704, True), (1, 8704, True), (2, 12 * 256, False)]
+    assert record[0]["coverage"] == 8704 / 8734 and record[0]["batches_per_rank"] == 34
+    resumed = _Loader(schedule, batches=40)   # a resume in epoch 1, its 6th batch
+    assert startup_lines(resumed) == ["epoch 1: 34 batches per rank = 8,704 of 8,734 samples (99.7 %) "
+                                      "(resumed at its batch 6 per rank)"]
+    assert EpochWatch(resumed).ended() == []
+    assert startup_lines(_Loader(None)) == [] and epochs_record(_Loader(None)) is None
