@@ -1,6 +1,6 @@
-"""Metrics while the run runs: {output_dir}/metrics.jsonl and DeepSpeed's monitor, on rank 0.
+"""Metrics while the run runs: {output_dir}/metrics.jsonl, DeepSpeed's monitor and W&B, on rank 0.
 
-    metrics = MetricsLog(out / "metrics.jsonl", engine.monitor, resumed_at=None)
+    metrics = MetricsLog(out / "metrics.jsonl", engine.monitor, resumed_at=None, wandb=None)
     metrics.train(step, {"loss": ..., "lr": ..., ...})    # one line per log step
     metrics.eval(step, {"zero_shot/top1": ...})           # one line per evaluation
     metrics.close()
@@ -9,7 +9,9 @@ Every line is flushed when written, so a run killed by SIGKILL keeps its lines u
 log step (a machine crash may lose what the OS had not written yet). Each process start appends
 a marker line ({"event": "start"} or {"event": "resume", "step": N}); readers keep, for each
 step, the line written last (a resumed run repeats the steps since its checkpoint). The schema
-is in docs/guides/monitoring.md.
+is in docs/guides/monitoring.md. metrics.jsonl is the source of truth; the monitors (TensorBoard,
+CSV through DeepSpeed's MonitorMaster; W&B through reporting.wandb_log.WandbLog) get the same
+numbers on the same optimizer-step axis.
 """
 
 from __future__ import annotations
@@ -21,14 +23,18 @@ from pathlib import Path
 from typing import Any
 
 
-def read_metrics(path: str | Path) -> dict[str, list[dict]]:
+def read_metrics(path: str | Path, *, last_run: bool = False) -> dict[str, list[dict]]:
     """-> {"train": [...], "eval": [...], "events": [...]}: the train and eval lines of the whole
-    run in step order, the last line written for each step winning (a resume repeats steps)."""
+    run in step order, the last line written for each step winning (a resume repeats steps).
+    ``last_run``: only the lines after the last start marker (a fresh run into a folder that had a
+    metrics.jsonl appends after the old run's lines)."""
     train: dict[int, dict] = {}
     evals: dict[int, dict] = {}
     events = []
     for line in Path(path).read_text().splitlines():
         rec = json.loads(line)
+        if last_run and rec.get("event") == "start":
+            train, evals, events = {}, {}, []
         if "event" in rec:
             events.append(rec)
         elif rec.get("kind") == "eval":
@@ -39,28 +45,50 @@ def read_metrics(path: str | Path) -> dict[str, list[dict]]:
             "events": events}
 
 
+TRAIN_NAMES = {"loss": "Train/loss", "loss_mean": "Train/loss_mean", "lr": "Train/lr",
+               "grad_norm": "Train/grad_norm", "samples_per_s": "Train/samples_per_s",
+               "loss_scale": "Train/loss_scale", "mfu": "Train/mfu"}
+
+
+def train_values(record: dict[str, Any], *, per_rank: bool = False) -> dict[str, float]:
+    """A train line -> {monitor name: value}: the TRAIN_NAMES fields, the bad-data counts
+    (Data/bad_<kind>) and the slowest rank's load (Load/step_s_max, Load/data_wait_max,
+    Load/peak_mem_bytes_max); ``per_rank`` adds every rank's (Load/step_s/rank<r>, ...: W&B's
+    panels take them, a CSV monitor would make a file of each). Values not measured (None, the
+    NaN samples/s of a first step) are left out; a NaN loss is kept."""
+    values = {name: float(record[key]) for key, name in TRAIN_NAMES.items() if record.get(key) is not None}
+    if math.isnan(values.get("Train/samples_per_s", 0.0)):
+        del values["Train/samples_per_s"]
+    values.update({f"Data/bad_{kind}": float(n) for kind, n in (record.get("bad_data") or {}).items()})
+    ranks = record.get("ranks") or {}
+    for key in ("step_s", "data_wait", "peak_mem_bytes"):
+        if ranks.get(key):
+            values[f"Load/{key}_max"] = float(max(ranks[key]))
+            if per_rank:
+                values.update({f"Load/{key}/rank{r}": float(v) for r, v in enumerate(ranks[key])})
+    return values
+
+
 def monitor_events(step: int, record: dict[str, Any]) -> list[tuple[str, float, int]]:
-    """A train line -> DeepSpeed monitor events (name, value, optimizer step). Values that were
-    not measured (None, NaN samples/s of the first step) are left out."""
-    names = {"loss": "Train/loss", "loss_mean": "Train/loss_mean", "lr": "Train/lr",
-             "grad_norm": "Train/grad_norm", "samples_per_s": "Train/samples_per_s",
-             "loss_scale": "Train/loss_scale"}
-    events = [(name, float(record[key]), step) for key, name in names.items() if record.get(key) is not None]
-    events += [(f"Data/bad_{kind}", float(n), step) for kind, n in (record.get("bad_data") or {}).items()]
-    ranks = record.get("ranks")
-    if ranks:
-        events += [("Load/step_s_max", max(ranks["step_s"]), step),
-                   ("Load/data_wait_max", max(ranks["data_wait"]), step)]
-    return [e for e in events if not (e[0] == "Train/samples_per_s" and math.isnan(e[1]))]
+    """A train line -> DeepSpeed monitor events (name, value, optimizer step)."""
+    return [(name, value, step) for name, value in train_values(record).items()]
+
+
+def eval_values(metrics: dict[str, Any]) -> dict[str, float]:
+    """An evaluation's flat metrics -> {"Eval/<group>/<metric>": value}, numbers only."""
+    return {f"Eval/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
 
 
 class MetricsLog:
     """Rank 0's writer (`enabled=False` on the other ranks: every call is then a no-op).
-    `monitor`: the engine's DeepSpeed MonitorMaster (TensorBoard / CSV / W&B), or None."""
+    `monitor`: the engine's DeepSpeed MonitorMaster (TensorBoard / CSV), or None. `wandb`: a
+    reporting.wandb_log.WandbLog, or None; its owner finishes it (the summary comes after close)."""
 
-    def __init__(self, path: str | Path, monitor=None, *, resumed_at: int | None = None, enabled: bool = True):
+    def __init__(self, path: str | Path, monitor=None, *, resumed_at: int | None = None, enabled: bool = True,
+                 wandb=None):
         self.enabled = enabled
         self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
+        self.wandb = wandb if enabled else None
         self._f = None
         if not enabled:
             return
@@ -80,15 +108,25 @@ class MetricsLog:
         self._write({"kind": "train", "step": step, **record, "time": time.time()})
         if self.monitor is not None:
             self.monitor.write_events(monitor_events(step, record))
+        if self.wandb is not None:
+            self.wandb.train(step, record)
 
     def eval(self, step: int, metrics: dict[str, Any]) -> None:
-        """A hook's dict, on the train lines' step axis (monitor: Eval/<metric>)."""
+        """A hook's dict, on the train lines' step axis (monitors: Eval/<metric>)."""
         if not self.enabled:
             return
         self._write({"kind": "eval", "step": step, "eval": metrics, "time": time.time()})
         if self.monitor is not None:
-            self.monitor.write_events([(f"Eval/{k}", float(v), step) for k, v in metrics.items()
-                                       if isinstance(v, (int, float))])
+            self.monitor.write_events([(name, value, step) for name, value in eval_values(metrics).items()])
+        if self.wandb is not None:
+            self.wandb.eval(step, metrics)
+
+    def epoch_end(self, step: int, record: dict[str, Any]) -> None:
+        """The loader finished an epoch at optimizer step `step` (reporting/epochs.py): a marker line
+        {"event": "epoch_end", "step", "epoch", "samples" delivered (all ranks), "batches_per_rank",
+        "coverage"} -- read_metrics lists it with the events."""
+        if self.enabled:
+            self._write({"event": "epoch_end", "step": step, **record, "time": time.time()})
 
     def close(self) -> None:
         if self._f is not None:

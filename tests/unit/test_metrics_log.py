@@ -17,7 +17,7 @@ from rsclip_ds.config import ConfigError, load_config
 from rsclip_ds.profiles import build_ds_config, load_profile
 from rsclip_ds.reporting.load import (HOST_PEAK, DataWaitWatch, add_to_totals, data_wait_outliers, load_summary,
                                       peak_memory, rank_record)
-from rsclip_ds.reporting.metrics import MetricsLog, monitor_events, read_metrics
+from rsclip_ds.reporting.metrics import MetricsLog, monitor_events, read_metrics, train_values
 from rsclip_ds.reporting.progress import ProgressReporter
 from rsclip_ds.reporting.summary import _load_rows
 from rsclip_ds.profiles import BatchSizes
@@ -191,10 +191,17 @@ def test_load_totals_name_the_slowest_fastest_and_max_wait_ranks():
 
 def test_monitor_events_have_the_documented_names():
     rec = {"loss": 2.0, "loss_mean": 2.5, "lr": 1e-3, "grad_norm": None, "samples_per_s": float("nan"),
-           "loss_scale": 1024.0, "bad_data": {"decode": 2}, "ranks": {"step_s": [0.1, 0.3], "data_wait": [0.0, 0.5]}}
+           "loss_scale": 1024.0, "bad_data": {"decode": 2},
+           "ranks": {"step_s": [0.1, 0.3], "data_wait": [0.0, 0.5], "peak_mem_bytes": [7, 9]}}
     assert monitor_events(7, rec) == [("Train/loss", 2.0, 7), ("Train/loss_mean", 2.5, 7), ("Train/lr", 1e-3, 7),
                                       ("Train/loss_scale", 1024.0, 7), ("Data/bad_decode", 2.0, 7),
-                                      ("Load/step_s_max", 0.3, 7), ("Load/data_wait_max", 0.5, 7)]
+                                      ("Load/step_s_max", 0.3, 7), ("Load/data_wait_max", 0.5, 7),
+                                      ("Load/peak_mem_bytes_max", 9.0, 7)]
+    # W&B takes every rank's load too (a CSV monitor would make a file of each)
+    per_rank = train_values({**rec, "mfu": 0.4}, per_rank=True)
+    assert per_rank["Train/mfu"] == 0.4 and per_rank["Load/data_wait/rank1"] == 0.5
+    assert [k for k in per_rank if k.startswith("Load/peak")] == [
+        "Load/peak_mem_bytes_max", "Load/peak_mem_bytes/rank0", "Load/peak_mem_bytes/rank1"]
 
 
 # --------------------------------------------------------------------------- monitor switches
