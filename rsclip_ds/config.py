@@ -290,10 +290,10 @@ class LoggingConfig(Strict):
         False, description="DeepSpeed's CSV monitor: one CSV per metric under {output_dir}/monitor/csv. A "
         "profile may instead carry its own `csv_monitor` section, but not both.")
     wandb: bool = Field(
-        False, description="DeepSpeed's Weights & Biases monitor, offline (WANDB_MODE=offline unless the "
-        "environment sets WANDB_MODE), files under {output_dir}/monitor/wandb; `wandb sync` uploads "
-        "them later. Needs `pip install wandb`.")
-    wandb_project: str = Field("rsclip_ds", description="The W&B project name (logging.wandb).")
+        False, description="A Weights & Biases run from rank 0: train lines, evaluations, config and summary on the "
+        "optimizer-step axis (docs/guides/monitoring.md). Offline unless WANDB_MODE or WANDB_API_KEY is set; W&B's "
+        "variables decide the rest. --resume continues the same W&B run. Needs `pip install wandb`.")
+    wandb_project: Optional[str] = Field(None, description="The W&B project; unset: WANDB_PROJECT, else 'rsclip_ds'.")
     data_wait_warn_fraction: float = Field(
         0.2, ge=0, le=1, description="Warn when a rank spends more than this fraction of its step time "
         "waiting for its next batch ... (and see data_wait_warn_ratio; both must hold).")

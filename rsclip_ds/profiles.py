@@ -458,8 +458,9 @@ MONITORS = {"tensorboard": ("tensorboard", "tensorboard", "tensorboard"),
 
 
 def monitor_sections(run: RunConfig, profile: Profile) -> dict[str, Any]:
-    """logging.tensorboard / csv / wandb -> DeepSpeed's monitor sections, writing under
-    {output_dir}/monitor/<kind> (DeepSpeed joins output_path and job_name). A profile's own
+    """logging.tensorboard / csv -> DeepSpeed's monitor sections, writing under
+    {output_dir}/monitor/<kind> (DeepSpeed joins output_path and job_name); logging.wandb adds none
+    (reporting.wandb_log writes the W&B run), only its checks. A profile's own
     `tensorboard` / `csv_monitor` section keeps working when the switch is off; both at once is
     an error (two places deciding where one monitor writes). A missing package fails here, not
     inside deepspeed.initialize on rank 0."""
@@ -475,10 +476,9 @@ def monitor_sections(run: RunConfig, profile: Profile) -> dict[str, Any]:
         if package and importlib.util.find_spec(package) is None:
             raise ConfigError(f"logging.{switch}=true needs the {package!r} package: pip install {package} "
                               f"(or --set logging.{switch}=false)")
-        if switch == "wandb":
-            # offline: the trainer sets WANDB_MODE / WANDB_DIR (docs/guides/monitoring.md)
-            sections[section] = {"enabled": True, "project": run.logging.wandb_project}
-        else:
+        # wandb: no DeepSpeed section. Its W&B monitor logs at the sample count as W&B's step, which
+        # hides every event at our optimizer step; rank 0 writes the run itself (reporting.wandb_log)
+        if switch != "wandb":
             sections[section] = {"enabled": True, "output_path": str(root), "job_name": folder}
     return sections
 

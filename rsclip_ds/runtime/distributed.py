@@ -141,13 +141,29 @@ def configure_logging(rank: int) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def configure_wandb_offline(monitor_dir: Path) -> None:
-    """logging.wandb: DeepSpeed's W&B monitor calls wandb.init(project, group, entity) only, so
-    offline mode and the folder go through wandb's environment variables; a WANDB_MODE the user
-    set (online, to stream) is kept."""
-    os.environ.setdefault("WANDB_MODE", "offline")
-    (monitor_dir / "wandb").mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("WANDB_DIR", str(monitor_dir / "wandb"))
+def configure_wandb_offline(monitor_dir: Path, env=None) -> str:
+    """logging.wandb: W&B's own variables decide where the run goes (WANDB_MODE, WANDB_PROJECT,
+    WANDB_ENTITY, WANDB_RUN_GROUP, WANDB_DIR, read by wandb.init); this only fills in the defaults.
+    Offline when nothing says otherwise -- no WANDB_MODE and no WANDB_API_KEY -- so a node without
+    network never waits on W&B's servers (`wandb sync` uploads later; reporting.wandb_log says the
+    command at start-up); files under {monitor_dir}/wandb unless WANDB_DIR is set; project rsclip_ds
+    unless WANDB_PROJECT is set (logging.wandb_project wins over both). Returns the mode line,
+    logged here (INFO: rank 0's)."""
+    env = os.environ if env is None else env
+    if env.get("WANDB_MODE"):
+        said = f"W&B mode {env['WANDB_MODE']} (WANDB_MODE)"
+    elif env.get("WANDB_API_KEY"):
+        said = "W&B online (WANDB_API_KEY is set; WANDB_MODE=offline to keep the run on disk)"
+    else:
+        env["WANDB_MODE"] = "offline"
+        said = "W&B offline: neither WANDB_MODE nor WANDB_API_KEY is set (WANDB_MODE=online to stream)"
+    if not env.get("WANDB_DIR"):
+        env["WANDB_DIR"] = str(monitor_dir / "wandb")
+    Path(env["WANDB_DIR"]).mkdir(parents=True, exist_ok=True)
+    env.setdefault("WANDB_PROJECT", "rsclip_ds")
+    said += f", files under {env['WANDB_DIR']}"
+    log.info(said)
+    return said
 
 
 def process_group_exists() -> bool:

@@ -1,116 +1,241 @@
-"""logging.wandb with the real `wandb` package, offline: the DeepSpeed config section, DeepSpeed's W&B
-monitor writing through our MetricsLog into the offline run folder configure_wandb_offline names,
-and the run read back from its .wandb file. Also the caveat docs/guides/monitoring.md states: W&B
-keeps one step counter per run, and DeepSpeed's own samples-keyed event runs it ahead of our
-optimizer-step events, which W&B then drops."""
+"""logging.wandb with the real `wandb` package, offline, in one process: the train loop (train())
+writing through MetricsLog into reporting.wandb_log's run, with DeepSpeed's own samples-keyed event
+after every optimizer step as DeepSpeed's engine writes it (global batch 64), read back from the
+offline run's .wandb files (read_offline_run, wandb's own protobuf classes). Also the mode rules of
+configure_wandb_offline and the suite's tables. The 2-rank launch: tests/integration/test_launch.py
+(monitors run) and test_checkpoint_resume.py (SIGKILL + --resume auto)."""
 
 from __future__ import annotations
 
+import copy
 import json
-import struct
 
 import pytest
+import torch
 
 from rsclip_ds.config import load_config
-from rsclip_ds.profiles import build_ds_config, load_profile
+from rsclip_ds.evaluation.suite import CLASSIFICATION, RETRIEVAL, RETRIEVAL_KEYS
+from rsclip_ds.profiles import BatchSizes, build_ds_config, load_profile
 from rsclip_ds.reporting.metrics import MetricsLog, read_metrics
+from rsclip_ds.reporting.progress import ProgressReporter
+from rsclip_ds.reporting.wandb_log import build_wandb_log, markdown_tables, read_offline_run, state_path
 from rsclip_ds.runtime.distributed import configure_wandb_offline
+from rsclip_ds.train import client_state, train
 
-wandb = pytest.importorskip("wandb", reason="the test extra installs wandb (setup.cfg)")
-
-BLOCK, HEADER = 32768, 7   # wandb's .wandb file: LevelDB's log format after a 7-byte ':W&B' header
+GLOBAL_BATCH = 64
 
 
-def read_history(path) -> list[dict]:
-    """The history rows of a .wandb file (records: 7-byte header crc32/length/type, chunks in 32 KiB
-    blocks; types 1 full, 2 first, 3 middle, 4 last), parsed with wandb's own protobuf classes."""
-    from wandb.proto import wandb_internal_pb2 as pb
+class Engine:
+    """What train() uses of a DeepSpeed engine (one weight, loss (w x - 1)^2, SGD), and what its
+    step() writes to its monitor on rank 0: ("Train/Samples/lr", lr after the step, samples)."""
 
-    data, pos, chunks, rows = path.read_bytes(), HEADER, b"", []
-    assert data[:4] == b":W&B", data[:7]
-    while pos + HEADER <= len(data):
-        if BLOCK - pos % BLOCK < HEADER:   # a block's tail too short for a header is padding
-            pos += BLOCK - pos % BLOCK
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
-        if kind == 0 and length == 0:
-            break
-        chunks += data[pos + HEADER:pos + HEADER + length]
-        pos += HEADER + length
-        if kind in (1, 4):
-            record = pb.Record()
-            record.ParseFromString(chunks)
-            chunks = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
-    return rows
+    def __init__(self, w: float = 2.0, step: int = 0):
+        self.w = torch.nn.Parameter(torch.tensor([w]))
+        self.device, self.global_steps, self.micro_steps, self.monitor = torch.device("cpu"), step, step, None
+        self._norm = None
+
+    def __call__(self, pixels, input_ids):
+        return self.w * pixels.float().mean() / 255, self.w, torch.tensor(1.0), torch.tensor(0.0)
+
+    def backward(self, loss, scale_wrt_gas=True):
+        loss.backward()
+
+    def step(self):
+        self._norm = float(self.w.grad.norm())
+        with torch.no_grad():
+            self.w -= self.get_lr()[0] * self.w.grad
+        self.w.grad = None
+        self.global_steps += 1
+        self.micro_steps += 1
+        if self.monitor is not None and self.monitor.enabled:
+            self.monitor.write_events([("Train/Samples/lr", self.get_lr()[0], GLOBAL_BATCH * self.global_steps)])
+
+    def get_lr(self):
+        return [0.5 / (1 + self.global_steps)]
+
+    def fp16_enabled(self):
+        return False
+
+    def bfloat16_enabled(self):
+        return False
+
+    def get_global_grad_norm(self):
+        return self._norm
+
+
+def _batches():
+    i = 0
+    while True:
+        i += 1
+        yield {"pixel_values": torch.full((2, 3, 4, 4), 40 + 20 * (i % 7), dtype=torch.uint8),
+               "input_ids": torch.zeros(2, 4, dtype=torch.long)}
+
+
+def _loss(image, text, scale, bias):
+    return ((image - 1.0) ** 2).sum()
+
+
+def _suite_record(step: int) -> dict:
+    """eval/step{N}.json's "suite" as the hook writes it: one classification and one retrieval set."""
+    return {"template_set": "git-rsclip", "template_source": None, "sets": [
+        {"name": "WHU-RS19", "protocol": CLASSIFICATION, "split": "all images", "images": 40, "classes": 19,
+         "top1": 0.25 + step / 100, "top5": 0.5, "mean_per_class": 0.2},
+        {"name": "RSICD", "protocol": RETRIEVAL, "split": "test", "images": 20, "captions": 100,
+         **{k: 0.1 for k in RETRIEVAL_KEYS}}]}
+
+
+def eval_hook(out_dir):
+    """Every 3 steps and at step 8 (the last): zero-shot on the train lines' axis, and at 6 the
+    suite too, its record written first as the real hook does."""
+    def hook(step, engine):
+        if step % 3 and step != 8:
+            return None
+        metrics = {"zero_shot/top1": step / 10}
+        if step == 6:
+            (out_dir / "eval").mkdir(parents=True, exist_ok=True)
+            (out_dir / "eval" / f"step{step:08d}.json").write_text(json.dumps({"step": 6, "suite": _suite_record(6)}))
+            metrics.update({"suite/WHU-RS19/top1": 0.31, "suite/RSICD/mean_recall": 0.1})
+        return metrics
+    return hook
 
 
 @pytest.fixture
-def one_rank_group(tmp_path):
-    """DeepSpeed's monitors ask deepspeed.comm for the rank: a 1-process gloo group."""
-    import deepspeed
-    import torch.distributed as dist
-
-    deepspeed.init_distributed("gloo", auto_mpi_discovery=False, init_method=f"file://{tmp_path}/store",
-                               rank=0, world_size=1, verbose=False)
-    yield
-    dist.destroy_process_group()
-
-
-def _offline_run(tmp_path, monkeypatch, write) -> list[dict]:
-    """A W&B monitor from logging.wandb=true; ``write(metrics_log, monitor)``; -> the history read back."""
-    from rsclip_ds.evaluation.hook import build_monitor
-
-    for var in ("WANDB_MODE", "WANDB_DIR"):   # configure_wandb_offline sets them only when unset
+def offline(tmp_path, monkeypatch):
+    """W&B's variables unset (configure_wandb_offline then picks offline and {out}/monitor/wandb); wandb
+    torn down after the test (it keeps its settings per process)."""
+    wandb = pytest.importorskip("wandb", reason="the test extra installs wandb (setup.cfg)")
+    for var in ("WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT", "WANDB_API_KEY", "WANDB_RUN_ID", "WANDB_RESUME"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
-    run = load_config(None, [f"output_dir={tmp_path}", "logging.wandb=true", "logging.wandb_project=rs-test"])
-    ds = build_ds_config(run, load_profile("zero2"), 1, on_gpu=False)
-    assert ds["wandb"] == {"enabled": True, "project": "rs-test"}
-    configure_wandb_offline(tmp_path / "monitor")
-    monitor = build_monitor(ds)
-    log = MetricsLog(tmp_path / "metrics.jsonl", monitor)
+    yield tmp_path / "run"
+    wandb.teardown()
+
+
+def _segment(out, *, steps=8, resume=None, stop_after=None, exit_code=0):
+    """One process's part of a run: configure, W&B writer, train(), finish -> (engine, result, run id)."""
+    run = load_config(None, [f"output_dir={out}", "logging.wandb=true", "logging.wandb_project=rs-test"])
+    configure_wandb_offline(out / "monitor")
+    resume = copy.deepcopy(resume)   # train() extends the history lists it resumes from
+    step = resume["step"] if resume else None
+    wb = build_wandb_log(run.logging, out, rank=0, resumed_at=step, config=run.model_dump(mode="json"))
+    engine = Engine(resume["w"], step) if resume else Engine()
+    log = MetricsLog(out / "metrics.jsonl", engine.monitor, resumed_at=step, wandb=wb)
+    engine.monitor = wb.deepspeed_monitor(engine)   # after MetricsLog took the original (None here)
     try:
-        write(log, monitor)
+        result = train(engine, _batches(), _loss, BatchSizes(2, 1, 1), steps, 2, ProgressReporter(steps, "plain"),
+                       metrics=log, hooks=[eval_hook(out)], resume=resume["state"] if resume else None,
+                       stop_after=stop_after)
     finally:
         log.close()
-        wandb.finish()
-        wandb.teardown()   # wandb keeps its settings (WANDB_DIR) per process: the next test starts afresh
-    runs = list((tmp_path / "monitor" / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(runs) == 1, runs
-    return read_history(runs[0])
+    run_id = wb.run.id
+    wb.summary({"loss_end": result.losses[-1], "load": {"slowest_rank": 0, "step_s": [0.1]}, "losses": [1.0]})
+    wb.finish(exit_code)
+    return engine, result, run_id
 
 
-def _record(step: int) -> dict:
-    return {"loss": 5.0 - 0.25 * step, "loss_mean": 5.1 - 0.25 * step, "lr": 1e-3 * step, "grad_norm": 1.5,
-            "samples_per_s": 100.0 + step, "loss_scale": None, "bad_data": {"decode": 0}, "ranks": None}
+def _read(out, run_id) -> dict:
+    import wandb
+
+    wandb.teardown()   # the core writes the last records as it shuts down
+    return read_offline_run(out / "monitor" / "wandb", run_id)
 
 
-def test_our_events_land_offline_on_the_optimizer_step_axis(tmp_path, monkeypatch, one_rank_group):
-    def write(log, monitor):
-        for step in (2, 4, 6):
-            log.train(step, _record(step))
-        log.eval(6, {"zero_shot/top1": 0.25})
-
-    rows = _offline_run(tmp_path, monkeypatch, write)
-    loss = [(r["_step"], r["Train/loss"]) for r in rows if "Train/loss" in r]
-    assert loss == [(2, 4.5), (4, 4.0), (6, 3.5)]                     # the floats as written
-    assert [r["Train/lr"] for r in rows if "Train/lr" in r] == [2e-3, 4e-3, 6e-3]
-    assert [(r["_step"], r["Eval/zero_shot/top1"]) for r in rows if "Eval/zero_shot/top1" in r] == [(6, 0.25)]
-    assert [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")["train"]] == [4.5, 4.0, 3.5]
+def _series(rows, key):
+    return [(r["_step"], r[key]) for r in rows if key in r]
 
 
-def test_deepspeeds_samples_keyed_event_makes_wandb_drop_ours(tmp_path, monkeypatch, one_rank_group):
-    """As in a run: after each optimizer step k the engine writes Train/Samples/lr at k x global
-    batch (32) samples; our Train/loss at the lower step k is then dropped by W&B."""
-    def write(log, monitor):
-        for step in range(1, 7):
-            monitor.write_events([("Train/Samples/lr", 1e-3 * step, 32 * step)])   # what DeepSpeed's engine writes
-            if step % 2 == 0:
-                log.train(step, _record(step))
+def test_every_train_line_evaluation_and_deepspeed_event_lands_at_its_optimizer_step(offline):
+    out = offline
+    _, result, run_id = _segment(out)
+    run = _read(out, run_id)
+    rows, lines = run["history"], read_metrics(out / "metrics.jsonl")
+    assert run["segments"] == 1
+    # one row per step, W&B's step our optimizer step: it never went backwards, nothing was dropped
+    assert [r["_step"] for r in rows] == list(range(0, 9))
+    assert _series(rows, "Train/loss") == [(r["step"], r["loss"]) for r in lines["train"]]
+    assert [s for s, _ in _series(rows, "Train/loss")] == [2, 4, 6, 8]
+    assert _series(rows, "Train/lr") == [(s, result.lrs[s - 1]) for s in (2, 4, 6, 8)]
+    assert all(r["Train/grad_norm"] > 0 and r["Load/step_s/rank0"] > 0 for r in rows if "Train/loss" in r)
+    # every evaluation, also those between log steps (3) and before training (0)
+    assert _series(rows, "Eval/zero_shot/top1") == [(0, 0.0), (3, 0.3), (6, 0.6), (8, 0.8)]
+    assert _series(rows, "Eval/suite/WHU-RS19/top1") == [(6, 0.31)]
+    # DeepSpeed's own event after every step, at its step and with its sample count as its axis
+    assert _series(rows, "samples") == [(k, GLOBAL_BATCH * k) for k in range(1, 9)]
+    assert _series(rows, "Train/Samples/lr") == [(k, 0.5 / (1 + k)) for k in range(1, 9)]
+    assert run["config"]["steps"] == 100 and run["config"]["logging"]["wandb_project"] == "rs-test"
+    assert run["summary"]["summary/loss_end"] == result.losses[-1] and run["summary"]["summary/load/slowest_rank"] == 0
+    assert "summary/losses" not in run["summary"]
+    # the suite's tables (suite.md's rows) and its plot, as W&B media files of the run
+    six = next(r for r in rows if r["_step"] == 6)
+    assert six["Suite/classification"]["_type"] == "table-file" and six["Suite/plot"]["_type"] == "image-file"
+    files = next((out / "monitor" / "wandb" / "wandb").glob(f"offline-run-*-{run_id}/files"))
+    table = json.loads((files / six["Suite/classification"]["path"]).read_text())
+    assert table["columns"][:7] == ["set", "split", "images", "classes", "top-1", "top-5", "mean per class"]
+    assert table["data"][0][:7] == ["WHU-RS19", "all images", 40, 19, 31.0, 50.0, 20.0]
+    assert (files / six["Suite/plot"]["path"]).stat().st_size > 1000
+    assert (out / "eval" / "suite_step00000006.png").is_file()
+    # nothing logged at a step W&B had passed (its own warning, in the run's log)
+    log = next((out / "monitor" / "wandb" / "wandb").glob("offline-run-*/logs/debug-internal.log")).read_text()
+    assert "ignoring partial history record" not in log
 
-    rows = _offline_run(tmp_path, monkeypatch, write)
-    assert [r["_step"] for r in rows if "Train/Samples/lr" in r] == [32 * k for k in range(1, 7)]
-    assert not [r for r in rows if "Train/loss" in r]                  # every one of ours dropped
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_a_resumed_run_continues_the_same_wandb_run_without_a_step_twice(offline, lost):
+    """Checkpoint at 4; the next segment logs 5 and 6 and dies; the resume from 4 recomputes 5-6 and
+    logs 7-8. One W&B run over three offline folders, every step once. ``lost``: a SIGKILL took what
+    wandb-core had buffered of the first two segments (their files cut to the header, as a killed
+    launch left them): the resume sends the lines up to its checkpoint again from metrics.jsonl,
+    and 5-6 live. A fresh run after all that is a new W&B run."""
+    out = offline
+    engine, first, run_id = _segment(out, stop_after=4)
+    resume = {"step": 4, "w": engine.w.item(), "state": client_state(4, first, None)}
+    assert json.loads(state_path(out).read_text()) == {"id": run_id}
+    *_, died_id = _segment(out, resume=resume, stop_after=6, exit_code=1)
+    if lost:
+        for path in (out / "monitor" / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"):
+            path.write_bytes(path.read_bytes()[:7])
+    *_, resumed_id = _segment(out, resume=resume)
+    assert died_id == resumed_id == run_id
+    run = _read(out, run_id)
+    rows = run["history"]
+    assert run["segments"] == 3
+    steps = [r["_step"] for r in rows]
+    # increasing across the folders, none twice; lost: DeepSpeed's events of 1 and 3 are gone with them
+    assert steps == sorted(set(steps)) == ([0, 2, 3, 4, 5, 6, 7, 8] if lost else list(range(0, 9)))
+    lines = read_metrics(out / "metrics.jsonl")                        # the last line written for each step
+    assert _series(rows, "Train/loss") == [(r["step"], r["loss"]) for r in lines["train"]]
+    assert _series(rows, "Eval/zero_shot/top1") == [(r["step"], r["eval"]["zero_shot/top1"]) for r in lines["eval"]]
+    assert [s for s, _ in _series(rows, "Train/Samples/lr")] == ([5, 6, 7, 8] if lost else list(range(1, 9)))
+    *_, fresh_id = _segment(out)   # no resume: a new W&B run
+    assert fresh_id != run_id and json.loads(state_path(out).read_text()) == {"id": fresh_id}
+
+
+def test_deepspeed_gets_no_wandb_section(tmp_path):
+    """DeepSpeed's W&B monitor would log at the sample count as W&B's step: the run is ours alone."""
+    pytest.importorskip("wandb", reason="logging.wandb=true checks that the package is there")
+    run = load_config(None, [f"output_dir={tmp_path}", "logging.wandb=true", "logging.csv=true"])
+    ds = build_ds_config(run, load_profile("zero2"), 2, on_gpu=False)
+    assert "wandb" not in ds and ds["csv_monitor"]["enabled"]
+
+
+@pytest.mark.parametrize("env, mode, said", [
+    ({}, "offline", "W&B offline: neither WANDB_MODE nor WANDB_API_KEY is set"),
+    ({"WANDB_MODE": "online"}, "online", "W&B mode online (WANDB_MODE)"),      # the user's mode is kept
+    ({"WANDB_API_KEY": "k" * 40}, None, "W&B online (WANDB_API_KEY is set"),   # a key: wandb's default
+    ({"WANDB_MODE": "disabled", "WANDB_DIR": "elsewhere"}, "disabled", "W&B mode disabled"),
+])
+def test_offline_only_when_nothing_says_otherwise(tmp_path, env, mode, said):
+    env = {k: str(tmp_path / v) if k == "WANDB_DIR" else v for k, v in env.items()}
+    given = env.get("WANDB_DIR")
+    line = configure_wandb_offline(tmp_path / "monitor", env)
+    assert env.get("WANDB_MODE") == mode and line.startswith(said)
+    assert env["WANDB_DIR"] == (given or str(tmp_path / "monitor" / "wandb")) and env["WANDB_DIR"] in line
+    assert env["WANDB_PROJECT"] == "rsclip_ds"
+    mine = {**env, "WANDB_PROJECT": "mine"}   # the user's project is kept too
+    configure_wandb_offline(tmp_path / "monitor", mine)
+    assert mine["WANDB_PROJECT"] == "mine"
+
+
+def test_markdown_tables_read_back_cells_as_suite_md_writes_them():
+    text = "# t\n\n## Retrieval\n\n| set | a\\|b | x |\n|---|---:|---:|\n| RSICD | 1.50 | — |\n\nafter\n"
+    assert markdown_tables(text) == [("Retrieval", ["set", "a|b", "x"], [["RSICD", 1.5, None]])]
