@@ -7,6 +7,7 @@ interrupted-and-resumed run must reproduce its losses bit for bit and its final 
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -75,10 +76,17 @@ def test_resume_is_exact_and_a_kill_inside_a_save_keeps_the_previous_checkpoint(
 
 
 def test_sigkilled_rank_brings_the_job_down_and_resume_loses_only_steps_since_the_checkpoint(
-        launch_data, reference, tmp_path):
+        launch_data, reference, tmp_path, monkeypatch):
+    """Also W&B (logging.wandb, offline): the killed run and its `--resume auto` are one W&B run whose
+    history, read back from its two offline folders, holds every train line once, at its step."""
+    from rsclip_ds.reporting.wandb_log import read_offline_run
+
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.delenv(var, raising=False)   # the launches' environment is a copy of this process's
     out = tmp_path / "run"
     cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port())]
-    job = TimedJob(cmd + train_args(launch_data, out, CHECKPOINT_RUN + ["faults.inject_kill_at_step=7"]))
+    job = TimedJob(cmd + train_args(launch_data, out, CHECKPOINT_RUN + ["faults.inject_kill_at_step=7",
+                                                                       "logging.wandb=true"]))
     try:
         code = job.wait(timeout=300)
         text = job.finish_output()   # fails if a rank outlived the launcher
@@ -95,7 +103,7 @@ def test_sigkilled_rank_brings_the_job_down_and_resume_loses_only_steps_since_th
     ref_losses = summary(reference)["losses"]
     killed = read_metrics(out / "metrics.jsonl")
     assert [(r["step"], r["loss"]) for r in killed["train"]] == [(k, ref_losses[k - 1]) for k in (2, 4, 6)]
-    ok(launch_run(launch_data, out, extra=["--resume", "latest"]))
+    resumed = ok(launch_run(launch_data, out, "logging.wandb=true", extra=["--resume", "auto"]))
     s = summary(out)
     assert s["resumed_from"] == [4]          # steps 5 and 6 were lost, nothing before them
     assert s["losses"] == ref_losses
@@ -104,6 +112,21 @@ def test_sigkilled_rank_brings_the_job_down_and_resume_loses_only_steps_since_th
     m = read_metrics(out / "metrics.jsonl")
     assert [(e["event"], e.get("step")) for e in m["events"]] == [("start", None), ("resume", 4)]
     assert [(r["step"], r["loss"]) for r in m["train"]] == [(k, ref_losses[k - 1]) for k in (2, 4, 6, 8)]
+    # W&B: one run over the two offline folders, every train line once at its step, nothing logged
+    # at a step it had passed. The killed rank 0 takes wandb-core's buffer with it (what it held:
+    # printed); the resumed run sends the lines up to its checkpoint it lacks again from metrics.jsonl
+    run_id = json.loads((out / "monitor" / "wandb" / "run.json").read_text())["id"]
+    said = resumed.stdout + resumed.stderr
+    print(said[said.index(f"W&B: offline run {run_id}"):].splitlines()[0])
+    assert f"W&B: offline run {run_id} (project rsclip_ds), continued" in said
+    assert "Tried to log to step" not in text + said
+    run = read_offline_run(out / "monitor" / "wandb", run_id)
+    steps = [r["_step"] for r in run["history"]]
+    assert run["segments"] == 2 and steps == sorted(set(steps)) and {5, 6, 7, 8} <= set(steps)
+    assert [(r["_step"], r["Train/loss"]) for r in run["history"] if "Train/loss" in r] == \
+        [(k, ref_losses[k - 1]) for k in (2, 4, 6, 8)]
+    assert [r["_step"] for r in run["history"] if "Train/Samples/lr" in r][-4:] == [5, 6, 7, 8]
+    assert run["config"]["checkpoint"]["resume"] == "auto" and run["summary"]["summary/optimizer_steps"] == 8
 
 
 def test_frozen_rank_is_detected_by_the_heartbeat_within_the_peer_timeout(launch_data, tmp_path):

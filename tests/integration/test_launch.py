@@ -164,11 +164,18 @@ def test_too_little_shared_memory_stops_before_training_with_exit_code_2(launch_
     assert not (tmp_path / "summary.json").exists()
 
 
-def test_metrics_monitors_and_a_slow_loader_on_one_rank(launch_data, tmp_path, profile_run):
+def test_metrics_monitors_and_a_slow_loader_on_one_rank(launch_data, tmp_path, profile_run, monkeypatch):
     """Rank 1's loader hands each batch over 0.5 s late (faults.inject_data_delay_s). metrics.jsonl
     holds a line per log step with the summary's losses; TensorBoard and the CSV monitor hold
     Train/loss at the same optimizer steps with the same values (DeepSpeed's own Train/Samples/lr
-    at step x global batch samples). The load, in what holds on any machine: rank 1 waits at least
+    at step x global batch samples). W&B (offline by default: no WANDB_MODE, no WANDB_API_KEY), read
+    back from the run's .wandb file: every train line at its optimizer step, every evaluation (the
+    synthetic zero-shot and retrieval sets every 3 steps, the suite's two sets every 4, both before
+    training and at the end) at its step, the suite's tables and plot, DeepSpeed's lr after every
+    step on its sample axis, the resolved config and the summary, and no warning about a step W&B
+    had passed -- with a global batch of 32 DeepSpeed's sample count ran W&B's step ahead of ours
+    from step 1, which dropped every event of ours.
+    The load, in what holds on any machine: rank 1 waits at least
     the 0.5 s for each step's batch (time.sleep's guarantee), in every window and over the run;
     rank 0 does not inherit that wait (it idles at the step's collective instead, while its own
     loader has the half second to spare); both ranks' step times agree (every step ends in a
@@ -179,13 +186,23 @@ def test_metrics_monitors_and_a_slow_loader_on_one_rank(launch_data, tmp_path, p
     any update) differs from the seed-0 zero2 run's, so the seed reaches the model and the data."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from rsclip_ds.data.synthetic import make_synthetic
     from rsclip_ds.reporting.load import data_wait_outliers
     from rsclip_ds.reporting.metrics import read_metrics
+    from tests.rs_sets import write_suite
 
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.delenv(var, raising=False)   # the launch's environment is a copy of this process's
+    evals = make_synthetic(tmp_path / "eval_data", num_train=1, num_val=16, shard_size=1, image_size=64,
+                           progress=False, eval_layout=True)
+    write_suite(tmp_path / "suite", ["WHU-RS19", "RSICD"])
     out = tmp_path / "run"
     cmd = deepspeed_cmd() + ["--num_gpus", "2", "--master_port", str(free_port())]
     cmd += train_args(launch_data, out, ["profile=zero2", "steps=8", "optim.warmup_steps=2", "logging.log_every=2",
                                          "checkpoint.at_end=false", "logging.tensorboard=true", "logging.csv=true",
+                                         "logging.wandb=true", f"eval.zero_shot_dir={evals['zero_shot_dir']}",
+                                         f"eval.retrieval_json={evals['retrieval_json']}", "eval.every=3",
+                                         f"eval.suite={tmp_path / 'suite'}", "eval.suite_every=4",
                                          "faults.inject_data_delay_s=0.5", "faults.inject_data_delay_rank=1", "seed=1"])
     proc = run_checked(cmd)
     text = proc.stdout + proc.stderr
@@ -206,6 +223,7 @@ def test_metrics_monitors_and_a_slow_loader_on_one_rank(launch_data, tmp_path, p
     assert [e.value for e in ds_lr[:-1]] == pytest.approx(s["lrs"][1:], rel=1e-6)
     rows = (out / "monitor" / "csv" / "Train_loss.csv").read_text().split()
     assert rows[0] == "step,loss" and [tuple(map(float, r.split(","))) for r in rows[1:]] == want
+    _check_wandb(out, text, s, lines, read_metrics(out / "metrics.jsonl")["eval"])
     # the slow rank: one batch per optimizer step (micro 16 x 2 ranks = the global 32)
     delay = 0.5
     waits = [r["ranks"]["data_wait"] for r in lines]
@@ -226,3 +244,39 @@ def test_metrics_monitors_and_a_slow_loader_on_one_rank(launch_data, tmp_path, p
     # edges only (~1% measured), against 15% of the 7 steps' time allowed
     assert abs(load["step_s"][1] - load["step_s"][0]) < 0.15 * max(load["step_s"]), load
     assert "data wait per rank" in text and "max rank 1" in text
+
+
+def _check_wandb(out, text: str, s: dict, lines: list[dict], evals: list[dict]) -> None:
+    """The monitors run's W&B run against metrics.jsonl and summary.json (see the test's docstring)."""
+    from rsclip_ds.reporting.wandb_log import read_offline_run
+
+    run_id = json.loads((out / "monitor" / "wandb" / "run.json").read_text())["id"]
+    assert "W&B offline: neither WANDB_MODE nor WANDB_API_KEY is set" in text
+    assert f"upload it with: wandb sync {out}/monitor/wandb/wandb/offline-run-*-{run_id}*" in text
+    assert "Tried to log to step" not in text
+    run = read_offline_run(out / "monitor" / "wandb", run_id)
+    history = run["history"]
+    assert run["segments"] == 1 and [r["_step"] for r in history] == list(range(0, 9))   # a row per step
+    assert [(r["_step"], r["Train/loss"]) for r in history if "Train/loss" in r] == \
+        [(r["step"], r["loss"]) for r in lines]
+    assert [(r["_step"], r["Train/lr"]) for r in history if "Train/lr" in r] == [(r["step"], r["lr"]) for r in lines]
+    assert [[r[f"Load/data_wait/rank{k}"] for k in (0, 1)] for r in history if "Train/loss" in r] == \
+        [r["ranks"]["data_wait"] for r in lines]
+    assert [e["step"] for e in evals] == [0, 3, 4, 6, 8]
+    for e in evals:   # every number of every evaluation, at its step
+        row = history[e["step"]]
+        assert {k: row[f"Eval/{k}"] for k in e["eval"]} == e["eval"], e
+    assert {"zero_shot/top1", "retrieval/mean_recall", "suite/WHU-RS19/top1", "suite/RSICD/mean_recall"} <= \
+        {k for e in evals for k in e["eval"]}
+    suite_rows = [r for r in history if "Suite/classification" in r]
+    assert [r["_step"] for r in suite_rows] == [0, 4, 8]
+    assert all(r["Suite/retrieval"]["_type"] == "table-file" and r["Suite/plot"]["_type"] == "image-file"
+               for r in suite_rows)
+    # DeepSpeed's lr after every step, beside ours on its own axis: the lr of the next step
+    assert [(r["_step"], r["samples"]) for r in history if "samples" in r] == [(k, 32 * k) for k in range(1, 9)]
+    assert [r["Train/Samples/lr"] for r in history if "Train/Samples/lr" in r][:-1] == pytest.approx(s["lrs"][1:])
+    assert run["config"]["steps"] == 8 and run["config"]["logging"]["wandb"] is True
+    assert run["config"]["deepspeed"]["zero_optimization"]["stage"] == 2 and run["config"]["global_batch"] == 32
+    assert run["summary"]["summary/optimizer_steps"] == 8 and run["summary"]["summary/loss_end"] == s["loss_end"]
+    log = next((out / "monitor" / "wandb" / "wandb").glob(f"offline-run-*-{run_id}/logs/debug-internal.log"))
+    assert "ignoring partial history record" not in log.read_text()
