@@ -53,6 +53,7 @@ from rsclip_ds.reporting.load import DataWaitWatch
 from rsclip_ds.reporting.metrics import MetricsLog
 from rsclip_ds.reporting.progress import ProgressReporter
 from rsclip_ds.reporting.summary import build_summary, print_summary, write_summary
+from rsclip_ds.reporting.wandb_log import build_wandb_log
 from rsclip_ds.reshard import load_resharded, needs_universal, universal_ds_config
 from rsclip_ds.runtime.storage import check_shared_dir
 from rsclip_ds.runtime.integrity import DiskFullError, checkpoint_bytes, param_counts, saves_in_run, space_shortfall
@@ -138,6 +139,7 @@ class Trainer:
         self.profile, self.ds_config = check_run(run, shards=loader is None)
         self.info: DistInfo | None = None
         self.parts: Parts | None = None
+        self.wandb = None   # rank 0's reporting.wandb_log.WandbLog under logging.wandb (train() makes it)
         self._owns_group = False
         # seconds per start-up phase, in order (train() adds the first step; the summary has all)
         self.startup: dict[str, float | None] = {}
@@ -174,6 +176,8 @@ class Trainer:
             if isinstance(exc, Exception):
                 self.errors.fail(exc)
         finally:
+            if self.wandb is not None:   # finished; a stop's or an error's exit code marks it failed
+                self.wandb.finish(0 if exc is None else getattr(exc, "exit_code", 1))
             self.heartbeat.close()
             if self._owns_group:
                 destroy_distributed()
@@ -341,8 +345,13 @@ class Trainer:
         torch.manual_seed(run.seed + 1000 * rank)   # dropout / augmentation differ per rank
         reporter = ProgressReporter(run.steps, run.logging.progress, enabled=rank == 0)
         lg = run.logging
+        self.wandb = build_wandb_log(lg, run.output_dir, rank=rank, resumed_at=p.resume["step"] if p.resume else None,
+                                     config={**run.model_dump(mode="json"), "deepspeed": self.ds_config,
+                                             "global_batch": p.batch.global_batch, "world_size": self.info.world_size})
         metrics = MetricsLog(Path(run.output_dir) / "metrics.jsonl", p.engine.monitor, enabled=rank == 0,
-                             resumed_at=p.resume["step"] if p.resume else None)
+                             resumed_at=p.resume["step"] if p.resume else None, wandb=self.wandb)
+        if self.wandb is not None:   # DeepSpeed's own Train/Samples/* into the same run (MetricsLog has the original)
+            p.engine.monitor = self.wandb.deepspeed_monitor(p.engine)
         batches = iter(p.loader)
         try:
             result = train(p.engine, batches, p.loss_fn, p.batch, run.steps, run.logging.log_every,
@@ -405,6 +414,8 @@ class Trainer:
                  ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in self.startup.items() if v is not None),
                  compiled)
         write_summary(summary, run.output_dir)
+        if self.wandb is not None:
+            self.wandb.summary(summary)
         print_summary(summary)
         plot_curves(summary, Path(run.output_dir) / "curves.png")   # skipped (one log line) without matplotlib
         return summary

@@ -92,7 +92,8 @@ def register(sub) -> None:
                    "checkpoint, eval/<folder name>.json for a model folder); with --suite a folder (default: "
                    "suite-<tag> / suite-<folder name> there)")
     p.add_argument("--ds-config", type=Path, help="DeepSpeed config JSON whose tensorboard / csv_monitor "
-                   "/ wandb sections receive the metrics (default for a checkpoint: the run's ds_config.json)")
+                   "sections receive the metrics (default for a checkpoint: the run's ds_config.json); W&B gets "
+                   "the evaluations a training run makes, in its own W&B run, not a standalone eval's")
     p.set_defaults(handler=run)
 
 

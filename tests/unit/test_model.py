@@ -39,6 +39,8 @@ def test_same_seed_same_weights_and_clip_freezes_bias(tok_dir):
     a = build_model(ModelConfig(tokenizer=tok_dir), seed=1).model
     b = build_model(ModelConfig(tokenizer=tok_dir), seed=1).model
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    other = build_model(ModelConfig(tokenizer=tok_dir), seed=2).model   # the seed reaches the weights
+    assert not torch.equal(a.vision_model.encoder.layers[0].mlp.fc1.weight, other.vision_model.encoder.layers[0].mlp.fc1.weight)
     clip = build_model(ModelConfig(tokenizer=tok_dir), seed=1, loss="clip").model
     assert clip.logit_scale.item() == pytest.approx(math.log(1 / 0.07))
     assert not clip.logit_bias.requires_grad
