@@ -50,7 +50,7 @@ from rsclip_ds.profiles import (BatchSizes, Profile, activation_checkpointing_en
 from rsclip_ds.reporting.curves import plot_curves
 from rsclip_ds.reporting.epochs import epochs_record, startup_lines
 from rsclip_ds.reporting.load import DataWaitWatch
-from rsclip_ds.reporting.metrics import MetricsLog
+from rsclip_ds.reporting.metrics import MetricsLog, mfu_of
 from rsclip_ds.reporting.progress import ProgressReporter
 from rsclip_ds.reporting.summary import build_summary, print_summary, write_summary
 from rsclip_ds.reporting.wandb_log import build_wandb_log
@@ -348,8 +348,10 @@ class Trainer:
         self.wandb = build_wandb_log(lg, run.output_dir, rank=rank, resumed_at=p.resume["step"] if p.resume else None,
                                      config={**run.model_dump(mode="json"), "deepspeed": self.ds_config,
                                              "global_batch": p.batch.global_batch, "world_size": self.info.world_size})
+        device = torch.cuda.get_device_name(p.engine.device) if self.info.on_gpu and torch.cuda.is_available() else "cpu"
         metrics = MetricsLog(Path(run.output_dir) / "metrics.jsonl", p.engine.monitor, enabled=rank == 0,
-                             resumed_at=p.resume["step"] if p.resume else None, wandb=self.wandb)
+                             resumed_at=p.resume["step"] if p.resume else None, wandb=self.wandb,
+                             mfu=mfu_of(p.bundle.model.config, run.precision, self.info.world_size, device))
         if self.wandb is not None:   # DeepSpeed's own Train/Samples/* into the same run (MetricsLog has the original)
             p.engine.monitor = self.wandb.deepspeed_monitor(p.engine)
         batches = iter(p.loader)

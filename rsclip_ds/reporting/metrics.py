@@ -20,7 +20,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def read_metrics(path: str | Path, *, last_run: bool = False) -> dict[str, list[dict]]:
@@ -79,14 +79,29 @@ def eval_values(metrics: dict[str, Any]) -> dict[str, float]:
     return {f"Eval/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
 
 
+def mfu_of(config, precision: str, world_size: int, device_name: str) -> Callable[[float], float] | None:
+    """The run's MFU per device from its samples/s: the model's training FLOPs per sample
+    (planning/flops.py: 3 x the forward's matmuls, patch dropout and recompute not counted) over
+    world_size devices at their datasheet peak; None where the peak is unknown (CPU, other GPUs)."""
+    from rsclip_ds.planning.flops import flops_per_sample, mfu_per_device, peak_flops
+
+    peak = peak_flops(device_name, precision)
+    if peak is None:
+        return None
+    flops = flops_per_sample(config).train()
+    return lambda samples_per_s: mfu_per_device(flops, samples_per_s, world_size, peak)
+
+
 class MetricsLog:
     """Rank 0's writer (`enabled=False` on the other ranks: every call is then a no-op).
     `monitor`: the engine's DeepSpeed MonitorMaster (TensorBoard / CSV), or None. `wandb`: a
-    reporting.wandb_log.WandbLog, or None; its owner finishes it (the summary comes after close)."""
+    reporting.wandb_log.WandbLog, or None; its owner finishes it (the summary comes after close).
+    `mfu`: samples/s (all ranks) -> each device's model FLOPs utilisation (mfu_of), or None where the
+    device's peak is unknown (CPU ranks): train lines then carry `mfu` (monitors: Train/mfu)."""
 
     def __init__(self, path: str | Path, monitor=None, *, resumed_at: int | None = None, enabled: bool = True,
-                 wandb=None):
-        self.enabled = enabled
+                 wandb=None, mfu: Callable[[float], float] | None = None):
+        self.enabled, self.mfu = enabled, mfu
         self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self.wandb = wandb if enabled else None
         self._f = None
@@ -105,6 +120,9 @@ class MetricsLog:
     def train(self, step: int, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        rate = record.get("samples_per_s")
+        if self.mfu is not None and rate is not None and math.isfinite(rate):
+            record = {**record, "mfu": self.mfu(rate)}
         self._write({"kind": "train", "step": step, **record, "time": time.time()})
         if self.monitor is not None:
             self.monitor.write_events(monitor_events(step, record))

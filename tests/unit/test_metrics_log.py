@@ -290,3 +290,24 @@ def test_a_run_stopped_by_non_finite_losses_logs_the_failing_step_first(tmp_path
                guard=Guard(inject_nan_at_step=4, max_nonfinite_steps=3, stop_check_every=2))
     lines = read_metrics(tmp_path / "m.jsonl")["train"]
     assert [r["step"] for r in lines] == [4, 6] and math.isnan(lines[-1]["loss"])
+
+
+def test_train_lines_carry_mfu_where_the_devices_peak_is_known(tmp_path):
+    """mfu_of: the model's training FLOPs per sample x samples/s over world x the device's datasheet
+    peak (16-bit tensor cores for bf16, CUDA cores for fp32); none on CPU ranks or unknown devices.
+    MetricsLog adds it to the train line (and so to every monitor) when samples/s is measured."""
+    from rsclip_ds.model import preset_config
+    from rsclip_ds.planning.flops import flops_per_sample
+    from rsclip_ds.reporting.metrics import mfu_of
+
+    config = preset_config("git-rsclip-base")
+    per_device = mfu_of(config, "bf16", 8, "NVIDIA H200")
+    assert per_device(1000.0) == pytest.approx(flops_per_sample(config).train() * 1000.0 / (8 * 989.4e12))
+    assert mfu_of(config, "fp32", 1, "NVIDIA H200")(1.0) == pytest.approx(flops_per_sample(config).train() / 66.9e12)
+    assert mfu_of(config, "bf16", 2, "cpu") is None and mfu_of(config, "bf16", 1, "Some GPU") is None
+    log = MetricsLog(tmp_path / "m.jsonl", mfu=lambda rate: rate / 1e4)
+    log.train(1, {"loss": 1.0, "samples_per_s": float("nan")})    # the first step: no rate, no mfu
+    log.train(2, {"loss": 1.0, "samples_per_s": 250.0})
+    log.close()
+    lines = read_metrics(tmp_path / "m.jsonl")["train"]
+    assert "mfu" not in lines[0] and lines[1]["mfu"] == 0.025
