@@ -17,7 +17,8 @@ subtree, no hooks below it), so the compiled body sees gathered parameters and n
 per tower, as under ZeRO-1/2. Measured on 2 CPU ranks (tiny, aot_eager, every parameter
 partitioned): losses and weights bit-equal to eager ZeRO-3; without the leaves each submodule's
 hook breaks the graph (28 graphs instead of 4); compiling `__call__` traces the layer's own
-hooks (10 graphs, 26 recompiles in step 1).
+hooks (10 graphs, 26 recompiles in step 1). Two kinds of layer stay eager in fine-tunes
+(`stays_eager`: a ZeRO-3 leaf DeepSpeed cannot handle, a forward-only checkpointed layer).
 
 scope 'model': `model.compile(...)` (what `DeepSpeedEngine.compile` does without DeepCompile,
 which 0.19.8 enables on CUDA only): the whole DualEncoder's call in one graph (graph breaks
@@ -111,10 +112,29 @@ def encoder_layers(model) -> list:
     return [layer for tower in (model.vision_model, model.text_model) for layer in tower.encoder.layers]
 
 
-def apply_compile(model, cfg: CompileConfig, *, zero_stage: int) -> None:
-    """Compile ``model`` (a DualEncoder) in place, lazily: the work happens in the first forward and
-    backward. Call before deepspeed.initialize: under ZeRO-3 the layers must be leaves before the
-    engine registers its hooks."""
+def stays_eager(*, trains: bool, upstream: bool, checkpointed: bool, zero_stage: int) -> str | None:
+    """Why scope 'layers' leaves an encoder layer eager, or None to compile it. ``trains``: a
+    parameter of the layer trains; ``upstream``: one before it in its tower does (the embeddings or
+    an earlier layer), so its input requires grad -- the layers of a plain run, a LoRA or lock_*
+    fine-tune's layers after the first trained one. Both cases below were measured on 2 CPU ranks.
+    Leaving one layer eager loses its speed-up, not the others'."""
+    if trains and not upstream and zero_stage == 3:
+        # DeepSpeed 0.19.8 reduces a leaf's gradients in the leaf's full backward hook, which torch
+        # fires before the leaf's own backward when no input requires grad: the parameters are
+        # released under it ("size of tensor a (0) must match ... (128)", eager too)
+        return "ZeRO-3 cannot make it a leaf: it trains but its input needs no gradient"
+    if not trains and not upstream and checkpointed:
+        # no backward passes through it: AOT autograd compiles an inference graph, and torch 2.13
+        # rejects its checkpointed attention ("does not support RNG ops in recompute regions")
+        return "forward only (frozen, nothing before it trains) and checkpointed"
+    return None
+
+
+def apply_compile(model, cfg: CompileConfig, *, zero_stage: int) -> dict[str, str]:
+    """Compile ``model`` (a DualEncoder, fine-tuning controls applied) in place, lazily: the work
+    happens in the first forward and backward. Call before deepspeed.initialize: under ZeRO-3 the
+    layers must be leaves before the engine registers its hooks. Returns the encoder layers left
+    eager (name: why; `stays_eager`), which rank 0 also logs."""
     import torch
 
     kwargs: dict[str, Any] = {"backend": cfg.backend, "dynamic": cfg.dynamic}
@@ -122,18 +142,31 @@ def apply_compile(model, cfg: CompileConfig, *, zero_stage: int) -> None:
         kwargs["mode"] = cfg.mode
     if cfg.scope == "model":
         model.compile(**kwargs)   # what DeepSpeedEngine.compile does without DeepCompile
-        return
-    layers = encoder_layers(model)
-    for layer in layers:
-        # the bound forward (transformers' checkpointing wrapper around the block), not __call__:
-        # hooks stay eager. One code object for all layers: dynamo reuses a graph across layers of
-        # one shape (inline_inbuilt_nn_modules: parameters are graph inputs, not guarded constants)
-        layer.forward = torch.compile(layer.forward, **kwargs)
-    if zero_stage == 3:
-        from deepspeed.utils import set_z3_leaf_module
+        return {}
+    eager: dict[str, str] = {}
+    for prefix in ("vision_model", "text_model"):
+        tower = getattr(model, prefix)
+        upstream = any(p.requires_grad for p in tower.embeddings.parameters())
+        for i, layer in enumerate(tower.encoder.layers):
+            trains = any(p.requires_grad for p in layer.parameters())
+            why = stays_eager(trains=trains, upstream=upstream, zero_stage=zero_stage,
+                              checkpointed=bool(getattr(layer, "gradient_checkpointing", False)))
+            upstream = upstream or trains
+            if why:
+                eager[f"{prefix}.encoder.layers.{i}"] = why
+                continue
+            # the bound forward (transformers' checkpointing wrapper around the block), not __call__:
+            # hooks stay eager. One code object for all layers: dynamo reuses a graph across layers of
+            # one shape (inline_inbuilt_nn_modules: parameters are graph inputs, not guarded constants)
+            layer.forward = torch.compile(layer.forward, **kwargs)
+            if zero_stage == 3:   # gathered whole at the layer's own hook: no hooks inside the compiled body
+                from deepspeed.utils import set_z3_leaf_module
 
-        for layer in layers:   # gathered whole at the layer's own hook: no hooks inside the compiled body
-            set_z3_leaf_module(layer, True)
+                set_z3_leaf_module(layer, True)
+    if eager:
+        log.info("compile: %d of %d encoder layers stay eager: %s", len(eager), len(encoder_layers(model)),
+                 "; ".join(f"{name} ({why})" for name, why in eager.items()))
+    return eager
 
 
 def eager_hook(hook: Callable[[int, Any], Any]) -> Callable[[int, Any], Any]:
