@@ -134,7 +134,8 @@ def apply_compile(model, cfg: CompileConfig, *, zero_stage: int) -> dict[str, st
     """Compile ``model`` (a DualEncoder, fine-tuning controls applied) in place, lazily: the work
     happens in the first forward and backward. Call before deepspeed.initialize: under ZeRO-3 the
     layers must be leaves before the engine registers its hooks. Returns the encoder layers left
-    eager (name: why; `stays_eager`), which rank 0 also logs."""
+    eager (name: why; `stays_eager`), which rank 0 also logs. Raises dynamo's recompile limit to 16
+    (a process-wide setting) for scope 'layers'."""
     import torch
 
     kwargs: dict[str, Any] = {"backend": cfg.backend, "dynamic": cfg.dynamic}
@@ -143,6 +144,11 @@ def apply_compile(model, cfg: CompileConfig, *, zero_stage: int) -> dict[str, st
     if cfg.scope == "model":
         model.compile(**kwargs)   # what DeepSpeedEngine.compile does without DeepCompile
         return {}
+    # one code object for every layer of both towers: dynamo keeps one cache entry per guard set --
+    # tower shape (the vision one changes when patch dropout is switched off: 3 shapes) x grad mode x,
+    # in grad mode, whether the input requires grad (a fine-tune's first trained layer: no) = up to 9,
+    # over torch's default limit of 8, past which the layer would silently run eager
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
     eager: dict[str, str] = {}
     for prefix in ("vision_model", "text_model"):
         tower = getattr(model, prefix)
