@@ -235,7 +235,7 @@ def _zero3_every_parameter_partitioned(folder) -> str:
     return str(path)
 
 
-@pytest.mark.slow   # 2 ranks, 2-3 Trainer runs of a few seconds each plus step 1's capture: ~1-2 min on 2 cores
+@pytest.mark.slow   # 2 ranks, 2-3 Trainer runs plus step 1's capture: 12-16 s per profile on 2 cores (~40 s under load)
 @pytest.mark.parametrize("profile, scopes, graphs", [("zero2", ("layers", "model"), None), ("zero3", ("layers",), 4)])
 def test_compiled_losses_equal_eager_and_nothing_recompiles_after_step_1(tmp_path, tiny_tokenizer, profile, scopes,
                                                                          graphs):
@@ -271,7 +271,7 @@ def test_compiled_losses_equal_eager_and_nothing_recompiles_after_step_1(tmp_pat
         assert rec["compile_s"] > 0 and rec["first_step_s"] > rec["step_s"] > 0
 
 
-@pytest.mark.slow   # 2 x 2 Trainer runs on 2 ranks: ~1.5 min on 2 cores
+@pytest.mark.slow   # 2 Trainer runs on 2 ranks: 6-11 s per case on 2 cores
 @pytest.mark.parametrize("profile, keys", [
     ("zero3", ["model.activation_checkpointing=false", "finetune.lock_image=true",
                "finetune.lock_image_unlocked_layers=1"]),
