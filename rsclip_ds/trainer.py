@@ -35,7 +35,7 @@ from rsclip_ds.runtime.distributed import (DistInfo, StopFlag, accelerator_is_gp
                                    init_distributed, set_threads_per_rank,
                                    process_group_exists, seconds_since_process_start, world_size_from_env)
 from rsclip_ds.distill.teacher import Distiller, check_distill, load_teacher
-from rsclip_ds.engine import build_engine, lr_scheduler, set_fp32_masters
+from rsclip_ds.engine import build_engine, drop_unsafe_leaf_modules, lr_scheduler, set_fp32_masters
 from rsclip_ds.evaluation.hook import build_eval_hook
 from rsclip_ds.finetune import apply_finetune, param_groups
 from rsclip_ds.runtime.heartbeat import Heartbeat, default_store
@@ -235,6 +235,11 @@ class Trainer:
         groups = param_groups(bundle.model, run.optim, lr_factor=scaled_lr(run, info.world_size) / run.optim.lr)
         o = run.optim
         with self._phase("engine"):
+            unsafe = drop_unsafe_leaf_modules(bundle.model, self.ds_config)
+            if unsafe and info.rank == 0:
+                log.info("ZeRO-3: no leaf modules (the profile's leaf_module): %d trained encoder layer(s) get an "
+                         "input that needs no gradient (%s), which DeepSpeed cannot run as leaves; every submodule "
+                         "is hooked instead (more host time a step, the same math)", len(unsafe), ", ".join(unsafe))
             if run.compile.enabled:   # lazy (compiled in step 1, see _finish); before ZeRO-3 registers its hooks
                 apply_compile(bundle.model, run.compile,
                               zero_stage=self.ds_config.get("zero_optimization", {}).get("stage", 0))

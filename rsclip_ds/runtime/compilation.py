@@ -149,26 +149,23 @@ def apply_compile(model, cfg: CompileConfig, *, zero_stage: int) -> dict[str, st
     # in grad mode, whether the input requires grad (a fine-tune's first trained layer: no) = up to 9,
     # over torch's default limit of 8, past which the layer would silently run eager
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
-    eager: dict[str, str] = {}
-    for prefix in ("vision_model", "text_model"):
-        tower = getattr(model, prefix)
-        upstream = any(p.requires_grad for p in tower.embeddings.parameters())
-        for i, layer in enumerate(tower.encoder.layers):
-            trains = any(p.requires_grad for p in layer.parameters())
-            why = stays_eager(trains=trains, upstream=upstream, zero_stage=zero_stage,
-                              checkpointed=bool(getattr(layer, "gradient_checkpointing", False)))
-            upstream = upstream or trains
-            if why:
-                eager[f"{prefix}.encoder.layers.{i}"] = why
-                continue
-            # the bound forward (transformers' checkpointing wrapper around the block), not __call__:
-            # hooks stay eager. One code object for all layers: dynamo reuses a graph across layers of
-            # one shape (inline_inbuilt_nn_modules: parameters are graph inputs, not guarded constants)
-            layer.forward = torch.compile(layer.forward, **kwargs)
-            if zero_stage == 3:   # gathered whole at the layer's own hook: no hooks inside the compiled body
-                from deepspeed.utils import set_z3_leaf_module
+    from rsclip_ds.engine import encoder_layer_grads
 
-                set_z3_leaf_module(layer, True)
+    eager: dict[str, str] = {}
+    for name, layer, trains, upstream in encoder_layer_grads(model):
+        why = stays_eager(trains=trains, upstream=upstream, zero_stage=zero_stage,
+                          checkpointed=bool(getattr(layer, "gradient_checkpointing", False)))
+        if why:
+            eager[name] = why
+            continue
+        # the bound forward (transformers' checkpointing wrapper around the block), not __call__:
+        # hooks stay eager. One code object for all layers: dynamo reuses a graph across layers of
+        # one shape (inline_inbuilt_nn_modules: parameters are graph inputs, not guarded constants)
+        layer.forward = torch.compile(layer.forward, **kwargs)
+        if zero_stage == 3:   # gathered whole at the layer's own hook: no hooks inside the compiled body
+            from deepspeed.utils import set_z3_leaf_module
+
+            set_z3_leaf_module(layer, True)
     if eager:
         log.info("compile: %d of %d encoder layers stay eager: %s", len(eager), len(encoder_layers(model)),
                  "; ".join(f"{name} ({why})" for name, why in eager.items()))
