@@ -33,7 +33,7 @@ import json
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 if not __package__:

@@ -18,7 +18,7 @@ from pydantic_core import to_jsonable_python
 
 from rsclip_ds.distill.config import DistillConfig
 from rsclip_ds.runtime.compilation import CompileConfig
-from rsclip_ds.runtime.settings import DistributedConfig, FaultConfig, Strict
+from rsclip_ds.runtime.settings import Bf16Config, DistributedConfig, FaultConfig, Fp16Config, Strict
 
 
 class ConfigError(ValueError):
@@ -241,39 +241,6 @@ class FinetuneConfig(Strict):
         if len(set(self.lora.towers)) != len(self.lora.towers):
             raise ValueError(f"finetune.lora.towers {self.lora.towers} names a tower twice")
         return self
-
-
-class Fp16Config(Strict):
-    initial_scale_power: int = Field(16, ge=0, le=32, description="fp16 only: initial loss scale is 2**this.")
-    loss_scale_window: int = Field(1000, ge=1, description="fp16 only: overflow-free steps before the scale grows.")
-    hysteresis: int = Field(2, ge=1, description="fp16 only: overflows tolerated before the scale shrinks.")
-    min_loss_scale: float = Field(1.0, gt=0, description="fp16 only: the scale never goes below this.")
-
-
-class Bf16Config(Strict):
-    master_weights: Literal["fp32", "bf16"] = Field(
-        "fp32", description="bf16 only: the dtype of the optimizer's master weights and of AdamW's m and v. "
-        "'fp32': DeepSpeed's mixed precision (an fp32 master copy and fp32 states, 16 bytes per trainable "
-        "parameter with the bf16 weight and gradient). 'bf16': open_clip's pure_bf16, DeepSpeed's "
-        "bf16_master_weights_and_grads + bf16_optimizer_states: no fp32 copy, 10 bytes per trainable "
-        "parameter (DeepSpeed keeps a bf16 master beside the bf16 weight), but an update below half a bf16 "
-        "step of its weight is lost (docs/guides/precision.md: profiles, bytes, measured quality). ZeRO-1/2/3; the "
-        "offload profiles need optim.impl=deepspeed on CPU ranks.")
-    grad_accum_dtype: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="bf16 only: the dtype DeepSpeed accumulates gradients in across micro-batches "
-        "(its `data_types.grad_accum_dtype`). 'fp32' keeps the sum in fp32 (ZeRO-1 then runs DeepSpeed's "
-        "BF16_Optimizer, with a whole fp32 gradient copy per GPU; ZeRO-2/3 an fp32 gradient partition); "
-        "'bf16' sums in bf16. 'auto': fp32 for ZeRO-2 and ZeRO-3, bf16 for ZeRO-1 and ZeRO-2 with optimizer "
-        "offload, where fp32 costs GPU memory the others do not pay (docs/guides/precision.md: the measurement, "
-        "the rule and the bytes); bf16 with master_weights=bf16.")
-    check_grad_overflow: bool = Field(
-        False, description="bf16 only: DeepSpeed's per-gradient overflow check (its `bf16.check_grad_overflow`, "
-        "on by default since 0.19.3): an amax and an amin and their isfinite tests on every gradient tensor, "
-        "then a host sync, every step -- about 12 small kernels per parameter tensor, the largest part of "
-        "the step's non-matmul work (docs/results/throughput.md#census). Off: a step whose gradient is not "
-        "finite is caught by its gradient norm instead (one reduction a step, computed for clipping anyway: "
-        "faults.max_nonfinite_steps counts it like a non-finite loss). On: DeepSpeed skips such a step "
-        "(ZeRO-1/2; ZeRO-3 never checks under bf16).")
 
 
 class LoggingConfig(Strict):

@@ -31,37 +31,12 @@ def lr_scheduler(warmup: int, total: int, min_ratio: float) -> Callable[[torch.o
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def encoder_layer_grads(model) -> list[tuple[str, nn.Module, bool, bool]]:
-    """(name, layer, trains, upstream) for every encoder layer of both towers, vision first:
-    ``trains``, a parameter of the layer trains; ``upstream``, one before it in its tower does (the
-    embeddings or an earlier layer), so its input requires grad. A plain run: every layer both; a
-    LoRA or lock_* fine-tune's first trained layer: trains, not upstream."""
-    out = []
-    for prefix in ("vision_model", "text_model"):
-        tower = getattr(model, prefix)
-        upstream = any(p.requires_grad for p in tower.embeddings.parameters())
-        for i, layer in enumerate(tower.encoder.layers):
-            trains = any(p.requires_grad for p in layer.parameters())
-            out.append((f"{prefix}.encoder.layers.{i}", layer, trains, upstream))
-            upstream = upstream or trains
-    return out
-
-
-def unsafe_zero3_leaves(model) -> list[str]:
-    """Encoder layers DeepSpeed 0.19.8 cannot run as ZeRO-3 leaf modules: they train but their
-    input needs no gradient (a LoRA or lock_*_unlocked_layers fine-tune without activation
-    checkpointing; with it, finetune.keep_checkpointed_inputs_differentiable gives the input a
-    gradient). DeepSpeed reduces a leaf's gradients in its full backward hook, which torch then
-    fires before the leaf's own backward: its parameters are released under it ("size of tensor a
-    (0) must match ...", measured on 2 CPU ranks, eager and compiled)."""
-    return [name for name, layer, trains, upstream in encoder_layer_grads(model)
-            if trains and not upstream and not getattr(layer, "gradient_checkpointing", False)]
-
-
 def drop_unsafe_leaf_modules(model, ds_config: dict[str, Any]) -> list[str]:
     """Remove the zero3 profiles' leaf_module classes from ``ds_config`` (in place) where the model
     has a layer unsafe_zero3_leaves names; -> those layers (empty: the config is left alone). ZeRO-3
     then hooks every submodule, as without leaf modules: slower on the host, the same math."""
+    from rsclip_ds.runtime.layers import unsafe_zero3_leaves
+
     zero = ds_config.get("zero_optimization", {})
     if zero.get("stage") != 3 or not zero.get("leaf_module"):
         return []

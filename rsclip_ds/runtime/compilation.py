@@ -149,7 +149,7 @@ def apply_compile(model, cfg: CompileConfig, *, zero_stage: int) -> dict[str, st
     # in grad mode, whether the input requires grad (a fine-tune's first trained layer: no) = up to 9,
     # over torch's default limit of 8, past which the layer would silently run eager
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
-    from rsclip_ds.engine import encoder_layer_grads
+    from rsclip_ds.runtime.layers import encoder_layer_grads
 
     eager: dict[str, str] = {}
     for name, layer, trains, upstream in encoder_layer_grads(model):

@@ -1,5 +1,6 @@
-"""The run-config sections of the process runtime: faults (dead ranks, SIGTERM, non-finite losses)
-and distributed (threads per rank, the gradients' dtype on the wire). Part of the one config tree
+"""The run-config sections of the process runtime: faults (dead ranks, SIGTERM, non-finite losses),
+distributed (threads per rank, the gradients' dtype on the wire) and the precisions' own settings
+(fp16's loss scaler; bf16's masters, gradient accumulation and overflow check). Part of the one config tree
 (rsclip_ds.config.RunConfig holds them); kept here because config.py is at its size limit, and
 importing nothing from the package so that config.py can import it."""
 
@@ -95,3 +96,33 @@ class DistributedConfig(Strict):
         "(measured on a 20M-parameter ZeRO-2 fp32 run, 2 ranks: 23% less CPU per step) at the price of a "
         "resident set that holds every step's transient peak and grows with fragmentation (that run: "
         "0.6 GB per rank with release, 1.0-1.8 GB with keep). release: glibc's defaults. GPU runs: no effect.")
+
+
+class Fp16Config(Strict):
+    initial_scale_power: int = Field(16, ge=0, le=32, description="fp16 only: initial loss scale is 2**this.")
+    loss_scale_window: int = Field(1000, ge=1, description="fp16 only: overflow-free steps before the scale grows.")
+    hysteresis: int = Field(2, ge=1, description="fp16 only: overflows tolerated before the scale shrinks.")
+    min_loss_scale: float = Field(1.0, gt=0, description="fp16 only: the scale never goes below this.")
+
+
+class Bf16Config(Strict):
+    master_weights: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16 only: the dtype of the optimizer's master weights and of AdamW's m and v. "
+        "'fp32': DeepSpeed's mixed precision (an fp32 master copy and fp32 states, 16 bytes per trainable "
+        "parameter with the bf16 weight and gradient). 'bf16': open_clip's pure_bf16, DeepSpeed's "
+        "bf16_master_weights_and_grads + bf16_optimizer_states: no fp32 copy, 10 bytes per trainable "
+        "parameter (DeepSpeed keeps a bf16 master beside the bf16 weight), but an update below half a bf16 "
+        "step of its weight is lost (docs/guides/precision.md: profiles, bytes, measured quality). ZeRO-1/2/3; the "
+        "offload profiles need optim.impl=deepspeed on CPU ranks.")
+    grad_accum_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="bf16 only: the dtype DeepSpeed accumulates gradients in across micro-batches "
+        "(its `data_types.grad_accum_dtype`). 'fp32' keeps the sum in fp32 (ZeRO-1 then runs DeepSpeed's "
+        "BF16_Optimizer, with a whole fp32 gradient copy per GPU; ZeRO-2/3 an fp32 gradient partition); "
+        "'bf16' sums in bf16. 'auto': fp32 for ZeRO-2 and ZeRO-3, bf16 for ZeRO-1 and ZeRO-2 with optimizer "
+        "offload, where fp32 costs GPU memory the others do not pay (docs/guides/precision.md: the measurement, "
+        "the rule and the bytes); bf16 with master_weights=bf16.")
+    check_grad_overflow: bool = Field(
+        False, description="bf16 only: DeepSpeed's per-gradient overflow check (amax, amin and isfinite on every "
+        "gradient tensor and a host sync, each step: docs/results/throughput.md#census). Off: the step's gradient "
+        "norm is the guard (faults.max_nonfinite_steps counts a non-finite one). On: DeepSpeed skips such a step "
+        "(ZeRO-1/2; ZeRO-3 never checks under bf16).")
