@@ -73,7 +73,7 @@ def scaling_row(spec, profile: str, nodes: int, network: str, args) -> dict:
         return out
     steps = args.samples / args.global_batch
     out.update({k: row[k] for k in ("checkpointing", "micro", "accumulation", "gpu_gib", "compute_s", "comm_intra_s",
-                                    "comm_inter_s", "comm_s", "step_s", "candidate", "note")})
+                                    "comm_inter_s", "comm_s", "host_s", "step_s", "candidate", "note")})
     out.update(steps_per_epoch=steps, epoch_h=steps * row["step_s"] / 3600,
                samples_per_s=args.global_batch / row["step_s"],
                effective_mfu=args.mfu * row["compute_s"] / row["step_s"])
@@ -90,7 +90,8 @@ def scaling_table(args) -> list[dict]:
                 r = rows[-1]
                 print(f"{network:9s} {nodes:3d} nodes {profile:13s} "
                       + (f"{r['epoch_h']:7.2f} h  step {r['step_s']:.3f} s = compute {r['compute_s']:.3f} + comm "
-                         f"{r['comm_s']:.3f} (inter {r['comm_inter_s']:.3f})" if r["fits"] else "does not fit"),
+                         f"{r['comm_s']:.3f} (inter {r['comm_inter_s']:.3f}) + host {r['host_s']:.3f}"
+                         if r["fits"] else "does not fit"),
                       flush=True)
     for r in rows:   # speed-up over the same profile and network on one node, per GPU
         one = next((o for o in rows if o["network"] == r["network"] and o["profile"] == r["profile"]

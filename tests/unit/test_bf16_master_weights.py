@@ -12,7 +12,8 @@ import pytest
 from rsclip_ds.config import ConfigError, load_config
 from rsclip_ds.profiles import build_ds_config, load_profile
 
-BOTH = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+BOTH = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True,
+        "check_grad_overflow": False}   # (the step's gradient norm guards it: tests/unit/test_step_overhead.py)
 PROFILES = ("zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
 OFFLOAD = ("zero2_offload", "zero3_offload")
 
@@ -29,7 +30,7 @@ def masters(profile: str, *sets: str, on_gpu: bool = False) -> dict:
 
 def test_the_default_keeps_deepspeeds_fp32_masters():
     assert load_config(None, []).bf16.master_weights == "fp32"
-    assert ds("zero2")["bf16"] == {"enabled": True}
+    assert ds("zero2")["bf16"] == {"enabled": True, "check_grad_overflow": False}   # no master keys
 
 
 @pytest.mark.parametrize("profile", PROFILES)
