@@ -19,6 +19,9 @@ from rsclip_ds.trainer import step_decisions
 from tests.unit.forked_ranks import run_ranks
 
 MICRO = 4
+# a forked rank runs ops on one thread: the parent's OpenMP pool does not survive fork (forked_ranks.py),
+# and the Trainer would give a lone rank both cores -- a parallel region then waits for threads that are gone
+ONE_THREAD = ["distributed.threads_per_rank=1"]
 
 
 def _ds(profile: str, world: int, *sets: str) -> dict:
@@ -60,7 +63,7 @@ def _steps(rank: int, world: int, out: str, profile: str, deepspeed_defaults: bo
 
     run = load_config(None, [f"profile={profile}", "precision=bf16", "model.preset=tiny", "steps=3",
                              f"batch.micro_batch_size={MICRO}", "optim.warmup_steps=0", f"output_dir={out}/{rank}",
-                             "checkpoint.at_end=false"])
+                             "checkpoint.at_end=false", *ONE_THREAD])
     bundle = preset_bundle("tiny", None, run.seed, own_vocabulary=True)
     batches = _batches(rank, bundle.model.config.text_config.vocab_size)
     state = {"step": 0}
@@ -143,7 +146,7 @@ def _lora_zero3(rank: int, world: int, out: str, profile: str, lora: bool) -> di
 
     sets = [f"profile={profile}", "precision=bf16", "model.preset=tiny", "steps=2", f"batch.micro_batch_size={MICRO}",
             "optim.warmup_steps=0", f"output_dir={out}/{rank}", "checkpoint.at_end=false",
-            "model.activation_checkpointing=false"]
+            "model.activation_checkpointing=false", *ONE_THREAD]
     if lora:
         sets += ["finetune.lora.towers=[image,text]"]
     run = load_config(None, sets)
