@@ -353,7 +353,8 @@ class Trainer:
         self.wandb = build_wandb_log(lg, run.output_dir, rank=rank, resumed_at=p.resume["step"] if p.resume else None,
                                      config={**run.model_dump(mode="json"), "deepspeed": self.ds_config,
                                              "global_batch": p.batch.global_batch, "world_size": self.info.world_size})
-        device = torch.cuda.get_device_name(p.engine.device) if self.info.on_gpu and torch.cuda.is_available() else "cpu"
+        on_cuda = self.info.on_gpu and torch.cuda.is_available()
+        device = torch.cuda.get_device_name(p.engine.device) if on_cuda else "cpu"
         metrics = MetricsLog(Path(run.output_dir) / "metrics.jsonl", p.engine.monitor, enabled=rank == 0,
                              resumed_at=p.resume["step"] if p.resume else None, wandb=self.wandb,
                              mfu=mfu_of(p.bundle.model.config, run.precision, self.info.world_size, device))

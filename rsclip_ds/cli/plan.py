@@ -3,7 +3,8 @@
     rsclip-ds plan --model git-rsclip-large --gpus 4 --gpu-mem 24GiB --global-batch 4096
     rsclip-ds plan --params 5e9 --gpus 4 --gpu-mem 24GiB --global-batch 1024 --json
     rsclip-ds plan --nodes 4 --gpus-per-node 8 --inter-node-gbps 100 --gpu-mem 141GB --global-batch 32768
-    rsclip-ds plan --model git-rsclip-large --gpus 4 --gpu-mem 24GiB --global-batch 256 --shards 'rsicd/train-{000000..000087}.tar'
+    rsclip-ds plan --model git-rsclip-large --gpus 4 --gpu-mem 24GiB --global-batch 256 \
+        --shards 'rsicd/train-{000000..000087}.tar'
 
 The numbers come from `rsclip_ds.planning.memory` (the peak's terms) and `rsclip_ds.planning.planner` (fit and
 speed, the reason for the pick, the nearest fit); formulas and assumptions are in their docstrings.
@@ -180,8 +181,8 @@ def _print_table(rows, best, args, spec, why: str, coverage: dict[int, dict] | N
                   "host s: the ZeRO stage's own host and hook time (ZeRO-3's hooks, measured on an H200).")
     if coverage is not None:
         workers = next((c["workers"] for c in coverage.values() if "workers" in c), args.workers)
-        console.print(f"epoch coverage: the share of {args.shards}'s samples one epoch delivers ({workers} worker(s) per "
-                      f"rank; data.policy=exact leaves out fewer than one global batch):", soft_wrap=True)
+        console.print(f"epoch coverage: the share of {args.shards}'s samples one epoch delivers ({workers} worker(s) "
+                      f"per rank; data.policy=exact leaves out fewer than one global batch):", soft_wrap=True)
         for micro, c in coverage.items():
             console.print(f"  micro {micro}: {c['line']}", soft_wrap=True)
     for profile, note in sorted({(r.profile, r.note) for r in rows if r.note}):
