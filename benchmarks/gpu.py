@@ -65,6 +65,7 @@ import json
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -232,10 +233,26 @@ def case_run(case: Case, args, out_dir: str):
     return load_config(None, overrides)
 
 
+@contextmanager
+def case_setup(case: Case, args):
+    """What a case's process (ours or a twin) runs in: its one-rank group, the device, the run config
+    (case_run, output in a temporary folder), the peak-memory counter reset -> (info, accelerator,
+    device, run)."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    with process_group(args.threads) as info, tempfile.TemporaryDirectory() as out_dir:
+        acc = get_accelerator()
+        device = torch.device(acc.device_name(info.local_rank) if info.on_gpu else "cpu")
+        run = case_run(case, args, out_dir)
+        if info.on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        yield info, acc, device, run
+
+
 def run_case(case: Case, args) -> dict:
     """Build with the Trainer, warm up, time; -> the row. Runs inside its own process."""
     import torch
-    from deepspeed.accelerator import get_accelerator
 
     from rsclip_ds.engine import engine_dtype
     from rsclip_ds.model import load_tokenizer, preset_bundle
@@ -243,12 +260,7 @@ def run_case(case: Case, args) -> dict:
     from rsclip_ds.trainer import Trainer
 
     loader_mode = case.data == "loader"
-    with process_group(args.threads) as info, tempfile.TemporaryDirectory() as out_dir:
-        acc = get_accelerator()
-        device = torch.device(acc.device_name(info.local_rank) if info.on_gpu else "cpu")
-        run = case_run(case, args, out_dir)
-        if info.on_gpu:
-            torch.cuda.reset_peak_memory_stats()
+    with case_setup(case, args) as (info, acc, device, run):
         t0 = time.perf_counter()
         # Built whole, on the device (-large: seconds on a GPU, a minute on the CPU), for every
         # profile: on one rank deepspeed.zero.Init (a ZeRO-3 run's build) has nothing to
@@ -300,17 +312,11 @@ def run_twin(case: Case, args) -> dict:
     run_case builds ours (the same preset_bundle on the device, the same tensor_batch, the run's
     AdamW and clipping); `case.twin` compiled: every encoder layer compiled. -> the row."""
     import torch
-    from deepspeed.accelerator import get_accelerator
 
     from benchmarks.twin import PlainLoop
     from rsclip_ds.model import preset_bundle
 
-    with process_group(args.threads) as info, tempfile.TemporaryDirectory() as out_dir:
-        acc = get_accelerator()
-        device = torch.device(acc.device_name(info.local_rank) if info.on_gpu else "cpu")
-        run = case_run(case, args, out_dir)
-        if info.on_gpu:
-            torch.cuda.reset_peak_memory_stats()
+    with case_setup(case, args) as (info, acc, device, run):
         t0 = time.perf_counter()
         with torch.device(device):
             bundle = preset_bundle(case.preset, None, run.seed, own_vocabulary=True)

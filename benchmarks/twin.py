@@ -16,11 +16,7 @@ import torch
 from rsclip_ds.config import OptimConfig
 from rsclip_ds.finetune import param_groups
 from rsclip_ds.losses import siglip_loss
-
-
-def encoder_layers(model) -> list[torch.nn.Module]:
-    """The DualEncoder's transformer layers, both towers (the units regional compilation compiles)."""
-    return [*model.vision_model.encoder.layers, *model.text_model.encoder.layers]
+from rsclip_ds.runtime.compilation import encoder_layers
 
 
 class PlainLoop:

@@ -11,7 +11,6 @@ import logging
 import math
 
 import pytest
-import torch
 
 from rsclip_ds.config import ConfigError, load_config
 from rsclip_ds.profiles import build_ds_config, load_profile
@@ -22,54 +21,7 @@ from rsclip_ds.reporting.progress import ProgressReporter
 from rsclip_ds.reporting.summary import _load_rows
 from rsclip_ds.profiles import BatchSizes
 from rsclip_ds.train import Guard, client_state, train
-
-
-class FakeEngine:
-    """What train() uses of a DeepSpeed engine: one weight w, loss (w x - 1)^2, plain SGD."""
-
-    def __init__(self):
-        self.w = torch.nn.Parameter(torch.tensor([2.0]))
-        self.device, self.global_steps, self.micro_steps, self.monitor = torch.device("cpu"), 0, 0, None
-        self._norm = None
-
-    def __call__(self, pixels, input_ids):
-        x = pixels.float().mean() / 255
-        return self.w * x, self.w, torch.tensor(1.0), torch.tensor(0.0)
-
-    def backward(self, loss, scale_wrt_gas=True):
-        loss.backward()
-
-    def step(self):
-        self._norm = float(self.w.grad.norm())
-        with torch.no_grad():
-            self.w -= self.get_lr()[0] * self.w.grad
-        self.w.grad = None
-        self.global_steps += 1
-        self.micro_steps += 1
-
-    def get_lr(self):
-        return [0.5 / (1 + self.global_steps)]
-
-    def fp16_enabled(self):
-        return False
-
-    def bfloat16_enabled(self):
-        return False
-
-    def get_global_grad_norm(self):
-        return self._norm
-
-
-def _batches():
-    i = 0
-    while True:
-        i += 1
-        yield {"pixel_values": torch.full((2, 3, 4, 4), 40 + 20 * (i % 7), dtype=torch.uint8),
-               "input_ids": torch.zeros(2, 4, dtype=torch.long)}
-
-
-def _loss(image, text, scale, bias):
-    return ((image - 1.0) ** 2).sum()
+from tests.unit.fake_engine import FakeEngine, fake_batches, fake_loss
 
 
 def _train(path, steps=8, *, resume=None, stop_after=None, guard=None, monitor=None, hooks=(), log_every=2):
@@ -79,7 +31,7 @@ def _train(path, steps=8, *, resume=None, stop_after=None, guard=None, monitor=N
         engine.global_steps = resume["step"]
     log = MetricsLog(path, monitor, resumed_at=resume["step"] if resume else None)
     try:
-        result = train(engine, _batches(), _loss, BatchSizes(2, 1, 1), steps, log_every,
+        result = train(engine, fake_batches(), fake_loss, BatchSizes(2, 1, 1), steps, log_every,
                        ProgressReporter(steps, "plain"), guard=guard, metrics=log, hooks=hooks,
                        resume=resume["state"] if resume else None, stop_after=stop_after)
     finally:

@@ -11,7 +11,6 @@ import copy
 import json
 
 import pytest
-import torch
 
 from rsclip_ds.config import load_config
 from rsclip_ds.evaluation.suite import CLASSIFICATION, RETRIEVAL, RETRIEVAL_KEYS
@@ -21,58 +20,9 @@ from rsclip_ds.reporting.progress import ProgressReporter
 from rsclip_ds.reporting.wandb_log import build_wandb_log, markdown_tables, read_offline_run, state_path
 from rsclip_ds.runtime.distributed import configure_wandb_offline
 from rsclip_ds.train import client_state, train
+from tests.unit.fake_engine import FakeEngine, fake_batches, fake_loss
 
 GLOBAL_BATCH = 64
-
-
-class Engine:
-    """What train() uses of a DeepSpeed engine (one weight, loss (w x - 1)^2, SGD), and what its
-    step() writes to its monitor on rank 0: ("Train/Samples/lr", lr after the step, samples)."""
-
-    def __init__(self, w: float = 2.0, step: int = 0):
-        self.w = torch.nn.Parameter(torch.tensor([w]))
-        self.device, self.global_steps, self.micro_steps, self.monitor = torch.device("cpu"), step, step, None
-        self._norm = None
-
-    def __call__(self, pixels, input_ids):
-        return self.w * pixels.float().mean() / 255, self.w, torch.tensor(1.0), torch.tensor(0.0)
-
-    def backward(self, loss, scale_wrt_gas=True):
-        loss.backward()
-
-    def step(self):
-        self._norm = float(self.w.grad.norm())
-        with torch.no_grad():
-            self.w -= self.get_lr()[0] * self.w.grad
-        self.w.grad = None
-        self.global_steps += 1
-        self.micro_steps += 1
-        if self.monitor is not None and self.monitor.enabled:
-            self.monitor.write_events([("Train/Samples/lr", self.get_lr()[0], GLOBAL_BATCH * self.global_steps)])
-
-    def get_lr(self):
-        return [0.5 / (1 + self.global_steps)]
-
-    def fp16_enabled(self):
-        return False
-
-    def bfloat16_enabled(self):
-        return False
-
-    def get_global_grad_norm(self):
-        return self._norm
-
-
-def _batches():
-    i = 0
-    while True:
-        i += 1
-        yield {"pixel_values": torch.full((2, 3, 4, 4), 40 + 20 * (i % 7), dtype=torch.uint8),
-               "input_ids": torch.zeros(2, 4, dtype=torch.long)}
-
-
-def _loss(image, text, scale, bias):
-    return ((image - 1.0) ** 2).sum()
 
 
 def _suite_record(step: int) -> dict:
@@ -118,11 +68,11 @@ def _segment(out, *, steps=8, resume=None, stop_after=None, exit_code=0):
     resume = copy.deepcopy(resume)   # train() extends the history lists it resumes from
     step = resume["step"] if resume else None
     wb = build_wandb_log(run.logging, out, rank=0, resumed_at=step, config=run.model_dump(mode="json"))
-    engine = Engine(resume["w"], step) if resume else Engine()
+    engine = FakeEngine(resume["w"], step, GLOBAL_BATCH) if resume else FakeEngine(samples_per_step=GLOBAL_BATCH)
     log = MetricsLog(out / "metrics.jsonl", engine.monitor, resumed_at=step, wandb=wb)
     engine.monitor = wb.deepspeed_monitor(engine)   # after MetricsLog took the original (None here)
     try:
-        result = train(engine, _batches(), _loss, BatchSizes(2, 1, 1), steps, 2, ProgressReporter(steps, "plain"),
+        result = train(engine, fake_batches(), fake_loss, BatchSizes(2, 1, 1), steps, 2, ProgressReporter(steps, "plain"),
                        metrics=log, hooks=[eval_hook(out)], resume=resume["state"] if resume else None,
                        stop_after=stop_after)
     finally:

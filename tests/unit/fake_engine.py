@@ -1,0 +1,60 @@
+"""What the train loop (rsclip_ds.train.train) uses of a DeepSpeed engine, in one process without
+DeepSpeed, and batches and a loss for it: the metrics and W&B tests drive the real loop with it.
+Import from here."""
+
+from __future__ import annotations
+
+import torch
+
+
+class FakeEngine:
+    """One weight w, loss (w x - 1)^2, plain SGD at lr 0.5 / (1 + step). ``samples_per_step``: like
+    DeepSpeed's engine on rank 0, step() writes ("Train/Samples/lr", the lr after the step, samples
+    so far) to an enabled ``monitor``."""
+
+    def __init__(self, w: float = 2.0, step: int = 0, samples_per_step: int = 0):
+        self.w = torch.nn.Parameter(torch.tensor([w]))
+        self.device, self.global_steps, self.micro_steps, self.monitor = torch.device("cpu"), step, step, None
+        self.samples_per_step = samples_per_step
+        self._norm = None
+
+    def __call__(self, pixels, input_ids):
+        return self.w * pixels.float().mean() / 255, self.w, torch.tensor(1.0), torch.tensor(0.0)
+
+    def backward(self, loss, scale_wrt_gas=True):
+        loss.backward()
+
+    def step(self):
+        self._norm = float(self.w.grad.norm())
+        with torch.no_grad():
+            self.w -= self.get_lr()[0] * self.w.grad
+        self.w.grad = None
+        self.global_steps += 1
+        self.micro_steps += 1
+        if self.monitor is not None and self.monitor.enabled:
+            self.monitor.write_events([("Train/Samples/lr", self.get_lr()[0],
+                                        self.samples_per_step * self.global_steps)])
+
+    def get_lr(self):
+        return [0.5 / (1 + self.global_steps)]
+
+    def fp16_enabled(self):
+        return False
+
+    def bfloat16_enabled(self):
+        return False
+
+    def get_global_grad_norm(self):
+        return self._norm
+
+
+def fake_batches():
+    i = 0
+    while True:
+        i += 1
+        yield {"pixel_values": torch.full((2, 3, 4, 4), 40 + 20 * (i % 7), dtype=torch.uint8),
+               "input_ids": torch.zeros(2, 4, dtype=torch.long)}
+
+
+def fake_loss(image, text, scale, bias):
+    return ((image - 1.0) ** 2).sum()
