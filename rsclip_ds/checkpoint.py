@@ -42,6 +42,7 @@ import torch
 
 from rsclip_ds import __version__
 from rsclip_ds.config import CheckpointConfig, ConfigError, RunConfig
+from rsclip_ds.finite import check_state_dict, check_weights
 from rsclip_ds.runtime.integrity import (MANIFEST, DiskFullError, SaveWrites, WriteFailure, build_manifest, deepspeed_writes,
                                  disk_full_message, verify_tag)
 from rsclip_ds.runtime.storage import decide_on_rank0, fsync_dir, gather_on_every_rank, is_no_space
@@ -225,6 +226,21 @@ def load_meta(root: Path, tag: str) -> dict[str, Any]:
     return json.loads((Path(root) / tag / META).read_text())
 
 
+def finite_fallback(root: Path, tag: str, verb: str) -> str:
+    """What to do instead of resuming or exporting ``tag``, whose weights are not finite: ``verb`` the
+    newest older checkpoint whose save tested its weights (meta 'weights_finite'), else try the
+    older ones nobody tested. ``verb``: 'resume' or 'export'."""
+    how = {"resume": "--resume {}", "export": f"rsclip-ds export {root}/{{}} ..."}[verb]
+    older = [t for t in complete_tags(root) if t < tag]
+    tested = [t for t in older if load_meta(root, t).get("weights_finite")]
+    if tested:
+        return f"The newest checkpoint whose save tested its weights is {tested[-1]}: {how.format(tested[-1])}"
+    if older:
+        return (f"No older checkpoint's save tested its weights (an older rsclip_ds wrote {', '.join(older)}): "
+                f"try {how.format(older[-1])}")
+    return "No older checkpoint exists: start afresh (another output_dir, or --set checkpoint.overwrite=true)"
+
+
 @contextlib.contextmanager
 def weights_only_loads():
     """Force `torch.load(weights_only=True)` inside DeepSpeed's loaders, which pass
@@ -302,8 +318,16 @@ class Checkpointer:
         return bool((self.cfg.every and step % self.cfg.every == 0) or (self.cfg.at_end and step == last_step))
 
     def save(self, engine, step: int, client_state: dict[str, Any]) -> str:
+        """Write ``step``'s checkpoint on every rank and move the pointer to it. Raises
+        finite.NonFiniteWeights, before any file is written, when a rank holds an inf/NaN weight or
+        optimizer state (the pointer keeps naming the previous checkpoint); DiskFullError when a
+        write found no room."""
         tag = tag_for(step)
         folder = self.root / tag
+        previous = latest_tag(self.root)
+        check_weights(engine, f"not saving checkpoint {tag}",
+                      f"The resume point stays {previous or 'the start (no checkpoint yet)'}: lower optim.lr or raise "
+                      f"optim.warmup_steps, check the data, then --resume latest")
         # O(1) per rank: each rank writes its own RNG and data position to its own small file, rank
         # 0 the run's history once. (DeepSpeed writes the client state into rank 0's file at
         # ZeRO-1/2 and into every rank's at ZeRO-3: a gathered history there grew with ranks².)
@@ -364,7 +388,8 @@ class Checkpointer:
         try:
             manifest = build_manifest(folder, tag, reports, skip=(META,))
             _atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1))
-            meta = {"step": step, "tag": tag, "world_size": self.world_size,
+            # weights_finite: this save tested every rank's weights and optimizer states (check_weights)
+            meta = {"step": step, "tag": tag, "world_size": self.world_size, "weights_finite": True,
                     "rsclip_ds_version": __version__, "config": self.run_config}
             _atomic_write(folder / META, json.dumps(meta, indent=2))
             _atomic_write(self.root / POINTER, tag + "\n")
@@ -465,18 +490,21 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32") 
     if not (extras / "config.json").is_file():
         raise FileNotFoundError(f"{extras} is missing: the checkpoint was not written by rsclip_ds")
     run, state = consolidated_state_dict(root / tag)
+    # both checks before any file is written: the checkpoint's weights, then the weights in `dtype`
+    check_state_dict(state, f"not exporting {root / tag}", finite_fallback(root, tag, "export"))
+    lora = run.finetune.lora
+    if lora.towers:
+        from rsclip_ds.finetune import merge_lora_state, save_adapter
+    model = SiglipModel(AutoConfig.from_pretrained(str(extras)))
+    model.load_state_dict(merge_lora_state(state, lora) if lora.towers else state, strict=True)
+    model.to(EXPORT_DTYPES[dtype])
+    check_state_dict(model.state_dict(), f"not exporting {root / tag} in {dtype}",
+                     "A weight beyond the dtype's range (fp16: 65,504) became inf: export with --dtype bf16 or fp32")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lora = run.finetune.lora
-    if lora.towers:   # the adapters alone (peft format), then merged into the weights
-        from rsclip_ds.finetune import merge_lora_state, save_adapter
-
+    if lora.towers:   # the adapters alone (peft format); the model holds them merged into the weights
         (out / "adapter").mkdir(exist_ok=True)
         save_adapter(state, lora, out / "adapter")
-        state = merge_lora_state(state, lora)
-    model = SiglipModel(AutoConfig.from_pretrained(str(extras)))
-    model.load_state_dict(state, strict=True)
-    model.to(EXPORT_DTYPES[dtype])
     model.save_pretrained(str(out), safe_serialization=True)
     for item in extras.iterdir():
         if item.name not in ("config.json", SOURCE_FILE):

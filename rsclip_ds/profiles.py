@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rsclip_ds.config import ConfigError, RunConfig
+from rsclip_ds.finite import GuardPlan, plan_guard
 
 # The checkout's ds_profiles/ (editable install), else the copy a wheel installs under
 # <prefix>/share/rsclip_ds/ds_profiles (setup.cfg data_files).
@@ -328,6 +329,15 @@ def grad_accum_dtype(run: RunConfig, profile: Profile) -> str:
     return dtype
 
 
+def guard_plan(run: RunConfig, profile: Profile) -> GuardPlan:
+    """Who skips a step whose gradient norm is not finite in this run, DeepSpeed or rsclip_ds's step
+    guard (finite.plan_guard); a ConfigError where nothing would."""
+    zero = profile.strategy.get("zero_optimization", {})
+    return plan_guard(run.precision, profile.stage, check_grad_overflow=run.bf16.check_grad_overflow,
+                      grad_accum=grad_accum_dtype(run, profile), offload=profile.offload_optimizer,
+                      compute_grad_norm=zero.get("compute_grad_norm", True) is not False, profile=profile.path.name)
+
+
 def communication_dtype(run: RunConfig, profile: Profile) -> str:
     """DeepSpeed's communication_data_type for this run, always written (the resolved ds_config.json
     shows the gradients' dtype on the wire): wire_dtype of distributed.communication_data_type,
@@ -429,6 +439,11 @@ def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu
                 f"profile {profile.path.name} sets {key}={json.dumps(theirs)} but the run config gives "
                 f"{json.dumps(values.get(key))} (from {RUN_KEYS[key]}); per-run values come from the run "
                 f"config: remove {key!r} from the profile, or change {RUN_KEYS[key]}")
+    if guard_plan(run, profile).ours:
+        # rsclip_ds's step guard clips at optim.gradient_clipping, with DeepSpeed's formula, where it tests
+        # the norm (finite.StepGuard); DeepSpeed's ZeRO-1/2 clipping would read the norm on the host once
+        # per parameter group
+        values["gradient_clipping"] = 0.0
     config = {"steps_per_print": 10**9, "wall_clock_breakdown": False, **profile.strategy, **values,
               **monitor_sections(run, profile)}
     if "zero_optimization" in config:

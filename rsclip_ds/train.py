@@ -144,7 +144,8 @@ class TrainResult:
     evals: list[dict] = field(default_factory=list)     # {"step": s, **metrics} from the hooks
     optimizer_steps: int = 0
     micro_steps: int = 0
-    skipped_steps: int = 0                              # fp16 overflow steps
+    skipped_steps: int = 0                              # steps the optimizer skipped (DeepSpeed's count: fp16 too)
+    skipped: list[int] = field(default_factory=list)    # the steps skipped for a non-finite gradient norm (not fp16)
     loss_scale: float | None = None
     seconds: float = 0.0                                # this process's training time (all segments)
     first_step_s: float = 0.0                           # this segment's first optimizer step (loader workers start, lazy init)
@@ -186,22 +187,29 @@ class DiskFull(RunStopped):
 
 @dataclass
 class Guard:
-    """The loop's fault handling: SIGTERM agreement, the non-finite stop, fault injection.
+    """The loop's fault handling: SIGTERM agreement, the stop after consecutive skipped steps, fault injection.
 
     `stop_requested` is a flag set by the SIGTERM handler (distributed.StopFlag, installed by the Trainer); every
-    `stop_check_every` steps the ranks agree on it with the log-window all-reduce."""
+    `stop_check_every` steps the ranks agree on it with the log-window all-reduce. A step whose gradient norm is
+    not finite is skipped by the optimizer (rsclip_ds.finite: the weights, moments and learning rate stay); the
+    loop counts it (`count_nonfinite`: not under fp16, whose loss scaler skips steps while it finds its scale)
+    and stops the run after `max_nonfinite_steps` of them in a row."""
     stop_requested: Callable[[], bool] = lambda: False
     stop_check_every: int = 10
     max_nonfinite_steps: int = 3
-    check_nonfinite: bool = True                        # off under fp16: the loss scaler skips those steps
+    count_nonfinite: bool = True                        # off under fp16: the loss scaler skips steps by design
     inject_nan_at_step: int | None = None
+    inject_nan_steps: int | None = None                 # None: every step from inject_nan_at_step on
+    inject_nan_value: str = "nan"
     inject_kill_at_step: int | None = None
     inject_freeze_at_step: int | None = None
     inject_data_delay_s: float | None = None
     inject_data_delay_rank: int | None = None           # None: the last rank
     inject_error_at_step: int | None = None
     inject_worker_kill_at_step: int | None = None
-    inject_rank: int | None = None                      # of the two above; None: the last rank
+    inject_rank: int | None = None                      # of the three above; None: the last rank
+    skip_run: int = 0                                   # skipped steps in a row, up to the last step
+    step: int = 0                                       # the optimizer step under way (before_step)
 
     def delayed(self, batches: Iterator[dict], rank: int, world_size: int) -> Iterator[dict]:
         """The batches, each handed over `inject_data_delay_s` late on the chosen rank (a slow loader)."""
@@ -216,7 +224,31 @@ class Guard:
                 yield batch
         return slow()
 
+    def arm(self, model: torch.nn.Module, rank: int, world_size: int) -> None:
+        """faults.inject_nan_at_step: on the chosen rank, the gradient of one row of the text tower's
+        token embedding (the last token's; where it is frozen, of the first trained parameter) becomes
+        NaN or inf in every backward of the chosen steps -- a real non-finite gradient, through the
+        reduction and the optimizer's norm; the loss stays finite. Call before the engine exists."""
+        target = world_size - 1 if self.inject_rank is None else self.inject_rank
+        if self.inject_nan_at_step is None or rank != target:
+            return
+        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        name, param = next(((n, p) for n, p in trained if n.endswith("token_embedding.weight")), trained[0])
+        value = float(self.inject_nan_value)
+        last = self.inject_nan_at_step + (self.inject_nan_steps or 10**12) - 1
+
+        def poison(grad: torch.Tensor) -> torch.Tensor:
+            if not self.inject_nan_at_step <= self.step <= last:
+                return grad
+            grad = grad.clone()
+            grad.view(grad.shape[0], -1)[-1] = value   # (rows, ...): the last row
+            return grad
+        param.register_hook(poison)
+        log.warning("fault injection: rank %d sets the last row of %s's gradient to %s at steps %d..%s", rank, name,
+                    self.inject_nan_value, self.inject_nan_at_step, "" if self.inject_nan_steps is None else last)
+
     def before_step(self, step: int, rank: int, world_size: int, loader=None) -> None:
+        self.step = step
         target = world_size - 1 if self.inject_rank is None else self.inject_rank
         if rank == target and step == self.inject_error_at_step:
             log.warning("fault injection: rank %d raises InjectedError at step %d", rank, step)
@@ -234,22 +266,18 @@ class Guard:
                 log.warning("fault injection: rank %d sends itself %s at step %d", rank, sig.name, step)
                 os.kill(os.getpid(), sig)
 
-    def step_value(self, loss: torch.Tensor, engine) -> torch.Tensor:
-        """What the loop records for a step: its loss, or NaN where the step's gradient norm is not
-        finite. The norm is the step's one reduction over every gradient (DeepSpeed computes it for
-        clipping; an inf/NaN gradient makes it inf/NaN, which ZeRO-1/2 store as -1): with
-        DeepSpeed's per-gradient overflow check off (bf16.check_grad_overflow, the default) this
-        is the run's non-finite guard, a comparison on the device and no host sync."""
-        norm = engine.get_global_grad_norm() if self.check_nonfinite else None
-        if norm is None:
-            return loss
-        norm = torch.as_tensor(norm, dtype=torch.float32, device=loss.device)
-        return torch.where(torch.isfinite(norm) & (norm >= 0), loss, torch.full_like(loss, math.nan))
+    def after_step(self, step: int, skipped: bool) -> bool:
+        """Count a skipped step; True when `max_nonfinite_steps` in a row end at this one (stop)."""
+        self.skip_run = self.skip_run + 1 if skipped else 0
+        return self.count_nonfinite and self.skip_run >= self.max_nonfinite_steps
 
-    def loss_hook(self, step: int, loss: torch.Tensor, rank: int) -> torch.Tensor:
-        if self.inject_nan_at_step is not None and step >= self.inject_nan_at_step and rank == 0:
-            return loss * float("nan")
-        return loss
+    def stop_error(self, step: int) -> "NonFiniteLoss":
+        first = step - self.skip_run + 1
+        return NonFiniteLoss(
+            f"the gradient norm was not finite for {self.skip_run} consecutive steps ({first}..{step}); each was "
+            f"skipped (the weights are those after step {first - 1}) and the run stops without saving. The last good "
+            f"checkpoint is untouched: lower optim.lr or raise optim.warmup_steps, check the data, then resume with "
+            f"--resume latest")
 
 
 def _sync(pending: list[torch.Tensor], bad: dict[str, int], stop: bool, load: Sequence[float] = ()
@@ -275,16 +303,6 @@ def _sync(pending: list[torch.Tensor], bad: dict[str, int], stop: bool, load: Se
     counts = dict(zip(bad, (int(v) for v in values[n:n + b].tolist())))
     gathered = values[n + b:-1].view(world, k).tolist() if k else []                   # (world, k)
     return losses, counts, bool(values[-1] > 0), gathered
-
-
-def _nonfinite_run(losses: list[float]) -> int:
-    """Consecutive non-finite losses at the end of the history."""
-    n = 0
-    for value in reversed(losses):
-        if math.isfinite(value):
-            break
-        n += 1
-    return n
 
 
 def optimizer_step(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
@@ -362,8 +380,19 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
     for step in range(start + 1, last + 1):
         guard.before_step(step, rank, world, loader)
         result.lrs.append(float(engine.get_lr()[0]))
+        skipped_before = getattr(engine, "skipped_steps", 0)
         loss = optimizer_step(engine, batches, loss_fn, sizes, accumulation, dtype, distiller)
-        pending.append(guard.loss_hook(step, guard.step_value(loss, engine), rank))
+        pending.append(loss)
+        skipped = getattr(engine, "skipped_steps", 0) != skipped_before   # the optimizer's decision (finite.py)
+        if skipped and guard.count_nonfinite:
+            result.skipped.append(step)
+            norm = engine.get_global_grad_norm()
+            norm = None if norm is None else float(norm)
+            metrics.skipped(step, norm)
+            if rank == 0:
+                log.warning("step %d skipped: its gradient norm is not finite (%s); the weights, optimizer moments "
+                            "and learning rate stay as after step %d", step, norm, step - 1)
+        failing = guard.after_step(step, skipped)
         for record in epochs.ended():
             metrics.epoch_end(step, record)
         if step == start + 1:
@@ -377,14 +406,13 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
             _run_hooks(hooks, step, engine, result, reporter, metrics)
             paused += time.perf_counter() - t_hooks   # t_first is set before the hooks run
         save_due = checkpointer is not None and checkpointer.due(step, last)
-        if not (save_due or step % log_every == 0 or step % guard.stop_check_every == 0 or step == last):
+        if not (save_due or failing or step % log_every == 0 or step % guard.stop_check_every == 0 or step == last):
             continue
         losses, result.bad_data, stop, load = _sync(pending, bad_local(), guard.stop_requested(),
                                                     window.values(paused))
         result.losses += losses
         pending = []
-        # a run about to stop for non-finite losses logs that step first (metrics.jsonl keeps it)
-        failing = guard.check_nonfinite and _nonfinite_run(result.losses) >= guard.max_nonfinite_steps
+        # a run about to stop for skipped steps logs that step first (metrics.jsonl keeps it)
         if step % log_every == 0 or step == last or stop or failing:
             elapsed = time.perf_counter() - t_first - paused
             rate = sizes.global_batch * (step - start - 1) / elapsed if step > start + 1 else float("nan")
@@ -393,11 +421,9 @@ def train(engine, batches: Iterator[dict], loss_fn: Callable, sizes: BatchSizes,
             _log_metrics(metrics, data_wait, engine, result, step, last_line, (load, step - window_from), rate)
             window.reset(paused)
             window_from = last_line = step
-        _check_finite(result.losses, step, guard)
-        finite = not guard.check_nonfinite or all(math.isfinite(v) for v in losses)
-        if checkpointer is not None and (save_due or stop) and not finite:
-            log.warning("step %d: not saving a checkpoint, a loss since the last sync is not finite", step)
-        elif checkpointer is not None and (save_due or stop):
+        if failing:
+            raise guard.stop_error(step)
+        if checkpointer is not None and (save_due or stop):   # refuses non-finite weights (finite.NonFiniteWeights)
             data = loader.state_dict() if hasattr(loader, "state_dict") else None
             result.optimizer_steps, result.micro_steps = engine.global_steps, engine.micro_steps
             result.seconds = seconds_before + time.perf_counter() - t_start
@@ -446,29 +472,18 @@ def _log_metrics(metrics: MetricsLog, data_wait: DataWaitWatch, engine, result: 
         data_wait.update(step, ranks["data_wait"])
     window = result.losses[last_line:step]                                  # the steps since the last line
     norm = engine.get_global_grad_norm()   # cached by the last step; no collective
+    norm = None if norm is None or not math.isfinite(float(norm)) else float(norm)   # a skipped step: its event says
     metrics.train(step, {"loss": result.losses[-1], "loss_mean": sum(window) / len(window),
-                         "lr": result.lrs[-1], "grad_norm": None if norm is None else float(norm),
+                         "lr": result.lrs[-1], "grad_norm": norm,
                          "samples_per_s": None if math.isnan(rate) else rate, "loss_scale": loss_scale(engine),
                          "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
                          "bad_data": result.bad_data, "ranks": ranks})
 
 
 def _counts(engine, result: TrainResult) -> dict[str, int]:
-    """Skipped fp16 steps and bad samples, shown only when there are any."""
+    """Skipped steps and bad samples, shown only when there are any."""
     out = {f"bad {k}": v for k, v in result.bad_data.items() if v}
     skipped = int(getattr(engine, "skipped_steps", 0))
     if skipped:
         out["skipped"] = skipped
     return out
-
-
-def _check_finite(losses: list[float], step: int, guard: Guard) -> None:
-    if not guard.check_nonfinite:
-        return
-    run = _nonfinite_run(losses)
-    if run >= guard.max_nonfinite_steps:
-        first = len(losses) - run + 1
-        raise NonFiniteLoss(
-            f"loss is not finite for {run} consecutive steps ({first}..{len(losses)}; detected at step "
-            f"{step}); stopped without saving (a step whose gradient norm is not finite counts as one). The "
-            f"last good checkpoint is untouched: lower optim.lr, check the data, then resume with --resume latest")

@@ -25,8 +25,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from rsclip_ds.runtime.compilation import apply_compile, compile_line, eager_hook, refusal as compile_refusal
-from rsclip_ds.checkpoint import (Checkpointer, checkpoint_root, complete_tags, prepare_fresh_root,
-                                  select_resume_tag, tag_for, write_hf_extras)
+from rsclip_ds.checkpoint import (Checkpointer, checkpoint_root, complete_tags, finite_fallback,
+                                  prepare_fresh_root, select_resume_tag, tag_for, write_hf_extras)
 from rsclip_ds.config import ConfigError, RunConfig
 from rsclip_ds.data import build_train_loader, check_shared_memory, expand_urls
 from rsclip_ds.data.loader import available_cores
@@ -45,8 +45,9 @@ from rsclip_ds.hub import check_source, resolve_source_per_node
 from rsclip_ds.losses import build_loss
 from rsclip_ds.model import (ModelBundle, PatchDropoutSwitch, apply_activation_checkpointing, apply_patch_dropout,
                              build_model)
+from rsclip_ds.finite import check_weights, install_step_guard
 from rsclip_ds.profiles import (BatchSizes, Profile, activation_checkpointing_enabled, build_ds_config,
-                                derive_batch, load_profile, one_rank_overlap, scaled_lr)
+                                derive_batch, guard_plan, load_profile, one_rank_overlap, scaled_lr)
 from rsclip_ds.reporting.curves import plot_curves
 from rsclip_ds.reporting.epochs import epochs_record, startup_lines
 from rsclip_ds.reporting.load import DataWaitWatch
@@ -97,10 +98,12 @@ def check_run(run: RunConfig, *, shards: bool = True) -> tuple[Profile, dict]:
 
 def step_decisions(run: RunConfig, profile: Profile, ds_config: dict, world_size: int) -> list[str]:
     """What build_ds_config decided about the step on the user's behalf, for the start-up line."""
-    said = []
-    if ds_config.get("bf16", {}).get("enabled") and not ds_config["bf16"].get("check_grad_overflow", True):
-        said.append("no per-gradient overflow check (bf16.check_grad_overflow=false: the step's gradient norm "
-                    "is the non-finite guard)")
+    plan = guard_plan(run, profile)
+    said = [f"a step whose gradient norm is not finite is skipped by {'rsclip_ds' if plan.ours else 'DeepSpeed'} "
+            f"({plan.reason})"]
+    if plan.ours and run.optim.gradient_clipping:
+        said.append(f"clipping at {run.optim.gradient_clipping:g} by rsclip_ds's step guard (ds_config.json's "
+                    f"gradient_clipping is 0)")
     if one_rank_overlap(profile, world_size):
         said.append(f"overlap_comm off (one rank: ZeRO-{profile.stage} has no reduction to overlap, and "
                     f"DeepSpeed would sync the device at every bucket)")
@@ -140,6 +143,7 @@ class Trainer:
         self.info: DistInfo | None = None
         self.parts: Parts | None = None
         self.wandb = None   # rank 0's reporting.wandb_log.WandbLog under logging.wandb (train() makes it)
+        self.step_guard = None   # finite.StepGuard where rsclip_ds skips non-finite steps (build() installs it)
         self._owns_group = False
         # seconds per start-up phase, in order (train() adds the first step; the summary has all)
         self.startup: dict[str, float | None] = {}
@@ -212,6 +216,8 @@ class Trainer:
             if ac:
                 apply_activation_checkpointing(bundle.model)
             dropout = apply_patch_dropout(bundle.model, run.model.patch_dropout)
+            guard = self._guard()
+            guard.arm(bundle.model, info.rank, info.world_size)   # faults.inject_nan_at_step's gradient hook
         teacher, teacher_inputs = self._teacher() if run.distill.teacher is not None else (None, None)
         self.checkpoint_bytes = checkpoint_bytes(*param_counts(bundle.model), run.precision, run.bf16.master_weights,
                                                  self.ds_config.get("zero_optimization", {}).get("stage", 0))
@@ -245,6 +251,7 @@ class Trainer:
                               zero_stage=self.ds_config.get("zero_optimization", {}).get("stage", 0))
             engine = build_engine(bundle.model, self.ds_config, groups,
                                   lr_scheduler(o.warmup_steps, run.steps, o.min_lr_ratio))
+            self.step_guard = install_step_guard(engine, guard_plan(run, self.profile), o.gradient_clipping)
         checkpointer = self._checkpointer(bundle)
         with self._phase("resume"):
             if tag is None:
@@ -253,6 +260,8 @@ class Trainer:
                 resume = load_resharded(checkpointer, engine, tag)
             else:
                 resume = checkpointer.load(engine, tag)
+            if resume is not None:   # a checkpoint written before saves were checked may hold inf/NaN
+                check_weights(engine, f"not resuming from {tag}", finite_fallback(checkpointer.root, tag, "resume"))
             if resume is None and run.precision != "fp32" and bundle.source and bundle.source.folder:
                 set_fp32_masters(engine, Path(bundle.source.folder))   # not rounded to the 16-bit dtype
             if switch and resume:   # the loop runs hooks at step 0 of a fresh run only
@@ -283,7 +292,7 @@ class Trainer:
                              world_size=info.world_size, chunk_size=run.loss.chunk_size)
         distiller = teacher and Distiller(teacher, run.distill.weight, run.loss.name, info.rank,
                                           1 if run.loss.negatives == "local" else info.world_size)
-        self.parts = Parts(batch, bundle, ac, engine, checkpointer, loader, loss_fn, self._guard(), hooks, resume,
+        self.parts = Parts(batch, bundle, ac, engine, checkpointer, loader, loss_fn, guard, hooks, resume,
                            distiller)
         return self.parts
 
@@ -324,8 +333,9 @@ class Trainer:
     def _guard(self) -> Guard:
         f = self.run.faults
         return Guard(stop_requested=lambda: self.stop() or self._stop_asked, stop_check_every=f.stop_check_every,
-                     max_nonfinite_steps=f.max_nonfinite_steps, check_nonfinite=self.run.precision != "fp16",
-                     inject_nan_at_step=f.inject_nan_at_step, inject_kill_at_step=f.inject_kill_at_step,
+                     max_nonfinite_steps=f.max_nonfinite_steps, count_nonfinite=self.run.precision != "fp16",
+                     inject_nan_at_step=f.inject_nan_at_step, inject_nan_steps=f.inject_nan_steps,
+                     inject_nan_value=f.inject_nan_value, inject_kill_at_step=f.inject_kill_at_step,
                      inject_freeze_at_step=f.inject_freeze_at_step, inject_data_delay_s=f.inject_data_delay_s,
                      inject_data_delay_rank=f.inject_data_delay_rank, inject_error_at_step=f.inject_error_at_step,
                      inject_worker_kill_at_step=f.inject_worker_kill_at_step, inject_rank=f.inject_rank)

@@ -17,12 +17,18 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    import sys
+
     from rsclip_ds.checkpoint import export_hf
+    from rsclip_ds.finite import NonFiniteWeights
 
     try:
         out = export_hf(args.checkpoint, args.out_dir, dtype=args.dtype)
     except FileNotFoundError as err:
         raise ConfigError(str(err)) from None
+    except NonFiniteWeights as err:   # nothing written (docs/reference/exit-codes.md)
+        print(f"rsclip-ds: NonFiniteWeights: {err}", file=sys.stderr)
+        return err.exit_code
     print(f"Hugging Face folder written to {out} ({args.dtype}, safetensors); load it with "
           f"transformers.AutoModel.from_pretrained('{out}') or train from it with --set model.pretrained={out}")
     return 0

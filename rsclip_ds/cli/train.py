@@ -1,10 +1,11 @@
 """`rsclip-ds train`: parse, load the config, hand it to the Trainer, map outcomes to exit codes.
 
-Exit codes (docs/reference/exit-codes.md): 0 done, 1 an error of no known kind, 2 bad config, 3 non-finite
-loss, 4 a rank died (from the heartbeat thread), 5 too much bad data, 6 a checkpoint save found
-the disk full (DiskFull), 7 a DataLoader worker died, 75
-stopped by SIGTERM after saving a checkpoint. An error inside the run was already said, once, by the
-Trainer's error path (runtime/rank_errors.py), which every rank leaves with the failing rank's code.
+Exit codes (docs/reference/exit-codes.md): 0 done, 1 an error of no known kind, 2 bad config, 3 steps skipped
+in a row for a non-finite gradient norm, 4 a rank died (from the heartbeat thread), 5 too much bad data, 6 a
+checkpoint save found the disk full (DiskFull), 7 a DataLoader worker died, 8 a save or resume refused non-finite
+weights (NonFiniteWeights), 75 stopped by SIGTERM after saving a checkpoint. An error inside the run was already
+said, once, by the Trainer's error path (runtime/rank_errors.py), which every rank leaves with the failing rank's
+code.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def read_metrics(path: str | Path, *, last_run: bool = False) -> dict[str, list[
 
 TRAIN_NAMES = {"loss": "Train/loss", "loss_mean": "Train/loss_mean", "lr": "Train/lr",
                "grad_norm": "Train/grad_norm", "samples_per_s": "Train/samples_per_s",
-               "loss_scale": "Train/loss_scale", "mfu": "Train/mfu"}
+               "loss_scale": "Train/loss_scale", "mfu": "Train/mfu", "skipped_steps": "Train/skipped_steps"}
 
 
 def train_values(record: dict[str, Any], *, per_rank: bool = False) -> dict[str, float]:
@@ -145,6 +145,13 @@ class MetricsLog:
         "coverage"} -- read_metrics lists it with the events."""
         if self.enabled:
             self._write({"event": "epoch_end", "step": step, **record, "time": time.time()})
+
+    def skipped(self, step: int, grad_norm: float | None) -> None:
+        """Optimizer step `step` was skipped, its gradient norm not finite (rsclip_ds.finite): a marker
+        line {"event": "skipped", "step", "grad_norm" (null for NaN, else inf as a string)}."""
+        if self.enabled:
+            norm = None if grad_norm is None or math.isnan(grad_norm) else str(grad_norm)
+            self._write({"event": "skipped", "step": step, "grad_norm": norm, "time": time.time()})
 
     def close(self) -> None:
         if self._f is not None:

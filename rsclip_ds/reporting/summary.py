@@ -59,8 +59,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         ("precision", s["precision"]),
         ("batch", f"micro x accumulation x world = global: {s['batch_arithmetic']} "
                   f"({s['negatives']} negatives, {s['accumulation_mode']} accumulation)"),
-        ("steps", f"{s['optimizer_steps']} optimizer steps, {s['micro_steps']} micro-steps"
-                  + (f", {s['skipped_steps']} skipped (fp16 overflow)" if s["skipped_steps"] else "")),
+        ("steps", f"{s['optimizer_steps']} optimizer steps, {s['micro_steps']} micro-steps" + _skipped(s)),
         ("throughput", f"{s['samples_per_s']:.1f} samples/s (global, after step 1); {s['seconds']:.1f} s total"),
         ("loss", f"{s['loss_start']:.4f} -> {s['loss_end']:.4f} (mean of first / last 5 steps)"),
     ]
@@ -72,6 +71,18 @@ def print_summary(summary: dict[str, Any]) -> None:
     for row in rows:
         table.add_row(*row)
     Console().print(table)
+
+
+def _skipped(s: dict[str, Any]) -> str:
+    """', 2 skipped (gradient norm not finite: steps 40, 41)' or fp16's ', 3 skipped (fp16 loss scaler)'."""
+    if not s["skipped_steps"]:
+        return ""
+    steps = s.get("skipped") or []
+    if s["precision"] == "fp16" or not steps:
+        return f", {s['skipped_steps']} skipped (fp16 loss scaler)" if s["precision"] == "fp16" else \
+            f", {s['skipped_steps']} skipped"
+    shown = ", ".join(str(x) for x in steps[:5]) + (f", ... {steps[-1]}" if len(steps) > 5 else "")
+    return f", {s['skipped_steps']} skipped (gradient norm not finite: step{'s' if len(steps) > 1 else ''} {shown})"
 
 
 def _epoch_rows(epochs: list[dict[str, Any]] | None) -> list[tuple[str, str]]:

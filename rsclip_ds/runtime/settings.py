@@ -28,11 +28,15 @@ class FaultConfig(Strict):
         "after SIGTERM. A sync point is one small all-reduce and a host sync; the log steps are sync "
         "points anyway, so a divisor of logging.log_every adds nothing, 1 adds one sync per step.")
     max_nonfinite_steps: int = Field(
-        3, ge=1, description="bf16/fp32: stop the run (exit code 3) after this many consecutive "
-        "optimizer steps with a non-finite loss; no checkpoint is written from non-finite weights.")
+        3, ge=1, description="bf16/fp32: stop the run (exit code 3) after this many consecutive optimizer steps "
+        "skipped because their gradient norm was not finite (a skipped step changes no weight, moment or "
+        "learning rate). fp16: the loss scaler skips steps while it finds its scale; they are counted, not stopped on.")
     inject_nan_at_step: Optional[int] = Field(
-        None, description="FAULT INJECTION for tests, never set in real runs: from this optimizer "
-        "step on, rank 0's loss is multiplied by NaN.")
+        None, ge=1, description="FAULT INJECTION for tests, never set in real runs: from this optimizer step on, "
+        "rank `inject_rank`'s gradient of the token embedding's last row becomes `inject_nan_value`.")
+    inject_nan_steps: Optional[int] = Field(
+        None, ge=1, description="FAULT INJECTION for tests: how many steps inject_nan_at_step lasts (default: all).")
+    inject_nan_value: Literal["nan", "inf"] = Field("nan", description="FAULT INJECTION for tests: NaN or inf.")
     inject_kill_at_step: Optional[int] = Field(
         None, description="FAULT INJECTION for tests, never set in real runs: the last rank SIGKILLs "
         "itself at the start of this optimizer step.")
@@ -66,8 +70,8 @@ class FaultConfig(Strict):
         "SIGKILLs one of its DataLoader workers at the start of this optimizer step (what the OOM killer "
         "does; the workers start at step 1, so from step 2); needs data.num_workers >= 1.")
     inject_rank: Optional[int] = Field(
-        None, ge=0, description="FAULT INJECTION for tests: the rank of inject_error_at_step and "
-        "inject_worker_kill_at_step (default: the last rank, like the other injections).")
+        None, ge=0, description="FAULT INJECTION for tests: the rank of inject_error_at_step, "
+        "inject_worker_kill_at_step and inject_nan_at_step (default: the last rank, like the other injections).")
 
     @model_validator(mode="after")
     def _check(self) -> "FaultConfig":
@@ -123,6 +127,6 @@ class Bf16Config(Strict):
         "the rule and the bytes); bf16 with master_weights=bf16.")
     check_grad_overflow: bool = Field(
         False, description="bf16 only: DeepSpeed's per-gradient overflow check (amax, amin and isfinite on every "
-        "gradient tensor and a host sync, each step: docs/results/throughput.md#census). Off: the step's gradient "
-        "norm is the guard (faults.max_nonfinite_steps counts a non-finite one). On: DeepSpeed skips such a step "
-        "(ZeRO-1/2; ZeRO-3 never checks under bf16).")
+        "gradient tensor and a host sync, each step: docs/results/throughput.md#census). A step whose gradient norm "
+        "is not finite is skipped either way (docs/guides/precision.md#non-finite-steps): off, at ZeRO-1/2 by "
+        "rsclip_ds's step guard, from the norm DeepSpeed computed; on, by DeepSpeed.")

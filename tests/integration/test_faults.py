@@ -1,4 +1,4 @@
-"""SIGTERM (pre-emption), non-finite losses, one rank's error and a killed loader worker, with real 2-rank
+"""SIGTERM (pre-emption), non-finite gradients, one rank's error and a killed loader worker, with real 2-rank
 launches (tiny, fp32, ZeRO-2)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rsclip_ds.checkpoint import META, consolidated_state_dict, read_pointer, tag_for
+from rsclip_ds.reporting.metrics import read_metrics
 from tests.helpers import wait_for
 from tests.integration.helpers import (CHECKPOINT_RUN, TimedJob, deepspeed_cmd, free_port, launch_run, summary,
                                      train_args)
@@ -66,17 +67,25 @@ def test_sigterm_saves_on_every_rank_and_exits_75(launch_data, tmp_path):
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
 
 
-def test_repeated_nonfinite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(launch_data, tmp_path):
+def test_repeated_nonfinite_gradients_are_skipped_then_stop_the_run_with_the_last_good_checkpoint(launch_data,
+                                                                                                  tmp_path):
+    """From step 5 on, rank 1's gradient of one token-embedding row is NaN (bf16 ZeRO-2: rsclip_ds's step
+    guard skips). Both ranks skip steps 5 and 6 -- the reduced norm is the same on both -- and stop at 6."""
     out = tmp_path / "run"
-    proc = launch_run(launch_data, out, "checkpoint.every=2", "faults.inject_nan_at_step=5",
+    proc = launch_run(launch_data, out, "precision=bf16", "checkpoint.every=2", "faults.inject_nan_at_step=5",
                       "faults.max_nonfinite_steps=2")
     text = proc.stdout + proc.stderr
     assert proc.returncode == 3, text[-4000:]
-    assert "NonFiniteLoss: loss is not finite for 2 consecutive steps (5..6; detected at step 6)" in text
+    assert "NonFiniteLoss: the gradient norm was not finite for 2 consecutive steps (5..6); each was skipped " \
+           "(the weights are those after step 4)" in text
+    assert "step 5 skipped: its gradient norm is not finite (inf)" in text
     root = out / "checkpoints"
     assert read_pointer(root) == "step00000004" and not (root / "step00000006").exists()
     _, state = consolidated_state_dict(out)
     assert all(torch.isfinite(t).all() for t in state.values())
+    m = read_metrics(out / "metrics.jsonl")
+    assert [e["step"] for e in m["events"] if e["event"] == "skipped"] == [5, 6]
+    assert m["train"][-1]["step"] == 6 and m["train"][-1]["skipped_steps"] == 2
 
 
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_fp16_supported(),

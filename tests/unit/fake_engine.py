@@ -4,18 +4,24 @@ Import from here."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
 class FakeEngine:
-    """One weight w, loss (w x - 1)^2, plain SGD at lr 0.5 / (1 + step). ``samples_per_step``: like
-    DeepSpeed's engine on rank 0, step() writes ("Train/Samples/lr", the lr after the step, samples
-    so far) to an enabled ``monitor``."""
+    """One weight w (``module.w``), loss (w x - 1)^2, plain SGD at lr 0.5 / (1 + applied steps). Like
+    DeepSpeed's engine, a step whose gradient norm is not finite is skipped and counted
+    (``skipped_steps``), and on rank 0 step() writes ("Train/Samples/lr", the lr after the step, samples
+    so far) to an enabled ``monitor`` (``samples_per_step``)."""
 
     def __init__(self, w: float = 2.0, step: int = 0, samples_per_step: int = 0):
-        self.w = torch.nn.Parameter(torch.tensor([w]))
+        self.module = torch.nn.Module()
+        self.module.w = torch.nn.Parameter(torch.tensor([w]))
+        self.w = self.module.w
         self.device, self.global_steps, self.micro_steps, self.monitor = torch.device("cpu"), step, step, None
         self.samples_per_step = samples_per_step
+        self.skipped_steps = 0
         self._norm = None
 
     def __call__(self, pixels, input_ids):
@@ -26,8 +32,11 @@ class FakeEngine:
 
     def step(self):
         self._norm = float(self.w.grad.norm())
-        with torch.no_grad():
-            self.w -= self.get_lr()[0] * self.w.grad
+        if math.isfinite(self._norm):
+            with torch.no_grad():
+                self.w -= self.get_lr()[0] * self.w.grad
+        else:
+            self.skipped_steps += 1
         self.w.grad = None
         self.global_steps += 1
         self.micro_steps += 1
@@ -36,7 +45,7 @@ class FakeEngine:
                                         self.samples_per_step * self.global_steps)])
 
     def get_lr(self):
-        return [0.5 / (1 + self.global_steps)]
+        return [0.5 / (1 + self.global_steps - self.skipped_steps)]
 
     def fp16_enabled(self):
         return False

@@ -12,7 +12,7 @@ import torch
 from rsclip_ds.checkpoint import (META, POINTER, Checkpointer, complete_tags, prepare_fresh_root, read_pointer, resume_tag,
                                   resolve_checkpoint, tag_for, weights_only_loads, _atomic_write)
 from rsclip_ds.config import CheckpointConfig, ConfigError, load_config
-from rsclip_ds.train import Guard, NonFiniteLoss, TrainResult, _check_finite, _nonfinite_run, _sync
+from rsclip_ds.train import Guard, NonFiniteLoss, TrainResult, _sync
 
 
 def _fake_run(tmp_path, steps=(4, 8, 12), incomplete=(16,), pointer=12):
@@ -105,14 +105,15 @@ def test_weights_only_loads_refuses_arbitrary_objects(tmp_path):
     assert torch.load is torch.serialization.load   # restored
 
 
-def test_nonfinite_rule():
-    nan, inf = float("nan"), float("inf")
-    assert _nonfinite_run([1.0, nan, 2.0, nan, inf]) == 2 and _nonfinite_run([1.0]) == 0
+def test_consecutive_skipped_steps_stop_the_run_and_fp16_only_counts_them():
     guard = Guard(max_nonfinite_steps=2)
-    _check_finite([1.0, nan, 2.0, nan], step=4, guard=guard)    # one in a row: keep going
-    with pytest.raises(NonFiniteLoss, match=r"2 consecutive steps \(4..5; detected at step 6\)"):
-        _check_finite([1.0, nan, 2.0, nan, inf], step=6, guard=guard)
-    _check_finite([nan] * 5, step=5, guard=Guard(check_nonfinite=False))   # fp16: the scaler's job
+    assert [guard.after_step(s, skipped) for s, skipped in [(1, True), (2, False), (3, True)]] == [False] * 3
+    assert guard.after_step(4, True) is True and guard.skip_run == 2
+    with pytest.raises(NonFiniteLoss, match=r"2 consecutive steps \(3..4\); each was skipped \(the weights are "
+                                           r"those after step 2\)"):
+        raise guard.stop_error(4)
+    fp16 = Guard(max_nonfinite_steps=1, count_nonfinite=False)   # the loss scaler's skips: counted, no stop
+    assert not any(fp16.after_step(s, True) for s in range(1, 6)) and fp16.skip_run == 5
 
 
 def test_sync_on_one_process_means_losses_sums_counts_and_flags():
@@ -224,7 +225,9 @@ def test_a_resave_drops_the_old_conversion(tmp_path):
     (tag_dir / UNIVERSAL_DIR).mkdir()
     (tag_dir / UNIVERSAL_DIR / UNIVERSAL_DONE).write_text("{}")
 
-    class Engine:
+    class Engine:   # what a save reads: the weights it checks (finite.check_weights), then save_checkpoint
+        module, optimizer = torch.nn.Linear(2, 1), None
+
         def save_checkpoint(self, *args, **kwargs):
             pass
 

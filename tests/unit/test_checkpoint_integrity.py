@@ -39,6 +39,9 @@ class DeepSpeedLike:
 
         self.checkpoint_engine = TorchCheckpointEngine(SimpleNamespace(checkpoint_config={"checkpoint_serialization": True}))
         self.rank, self.numel = rank, numel
+        # what the save checks before writing (finite.check_weights): the module's weights; no optimizer
+        self.module, self.optimizer = torch.nn.Module(), None
+        self.module.w = torch.nn.Parameter(torch.arange(numel, dtype=torch.float32) + rank)
 
     def save_checkpoint(self, root, tag, save_latest, client_state):
         import torch.distributed as dist
@@ -46,7 +49,7 @@ class DeepSpeedLike:
         dist.barrier()
         folder = Path(root) / tag
         folder.mkdir(parents=True, exist_ok=True)
-        shard = torch.arange(self.numel, dtype=torch.float32) + self.rank
+        shard = self.module.w.detach()
         if self.rank == 0:
             self.checkpoint_engine.save({"module": {"w": shard}, **client_state}, str(folder / "mp_rank_00_model_states.pt"))
         self.checkpoint_engine.save({"optimizer_state_dict": {"exp_avg": shard}}, str(folder / OPTIM.format(self.rank)))

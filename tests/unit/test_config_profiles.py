@@ -65,7 +65,11 @@ def test_batch_arithmetic_is_written_into_the_ds_config():
     assert ds["train_batch_size"] == 96
     assert ds["train_micro_batch_size_per_gpu"] == 8
     assert ds["gradient_accumulation_steps"] == 3
-    assert ds["gradient_clipping"] == 1.0                  # explicit (default changed in 0.19.3)
+    # explicit (DeepSpeed's default is 1.0 since 0.19.3): bf16 at ZeRO-2 clips in rsclip_ds's step guard
+    # (finite.StepGuard, at optim.gradient_clipping), fp32 in DeepSpeed
+    assert ds["gradient_clipping"] == 0.0
+    fp32 = load_config(None, ["batch.micro_batch_size=8", "batch.gradient_accumulation_steps=3", "precision=fp32"])
+    assert build_ds_config(fp32, load_profile("zero2"), 4, on_gpu=False)["gradient_clipping"] == 1.0
     assert ds["optimizer"]["params"]["torch_adam"] is True  # CPU ranks: no fused_adam JIT build
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
 

@@ -26,6 +26,8 @@ from tests.unit.fake_engine import FakeEngine, fake_batches, fake_loss
 
 def _train(path, steps=8, *, resume=None, stop_after=None, guard=None, monitor=None, hooks=(), log_every=2):
     engine = FakeEngine()
+    if guard is not None:
+        guard.arm(engine.module, 0, 1)   # faults.inject_nan_at_step's gradient hook, as the Trainer arms it
     if resume is not None:
         engine.w.data.fill_(resume["w"])
         engine.global_steps = resume["step"]
@@ -233,15 +235,21 @@ def test_tensorboard_and_csv_hold_our_events_at_the_optimizer_step(tmp_path, one
     assert all(math.isfinite(float(v)) for _, v in rows[1:])
 
 
-def test_a_run_stopped_by_non_finite_losses_logs_the_failing_step_first(tmp_path):
+def test_skipped_steps_are_logged_and_enough_in_a_row_stop_the_run_at_the_failing_step(tmp_path):
+    """A NaN gradient from step 4 on: each step is skipped (an event line apiece, the count on the train
+    lines); the third in a row stops the run at step 6 -- neither a log step (every 4) nor a stop-check
+    sync (every 5) -- after a line for it."""
     from rsclip_ds.train import NonFiniteLoss
 
-    # a line every 4 steps, a stop-check sync every 2: step 6 is a sync point, not a log step
-    with pytest.raises(NonFiniteLoss, match=r"\(4..6; detected at step 6\)"):
-        _train(tmp_path / "m.jsonl", log_every=4,
-               guard=Guard(inject_nan_at_step=4, max_nonfinite_steps=3, stop_check_every=2))
-    lines = read_metrics(tmp_path / "m.jsonl")["train"]
-    assert [r["step"] for r in lines] == [4, 6] and math.isnan(lines[-1]["loss"])
+    guard = Guard(inject_nan_at_step=4, max_nonfinite_steps=3, stop_check_every=5)
+    with pytest.raises(NonFiniteLoss, match=r"not finite for 3 consecutive steps \(4..6\).*after step 3"):
+        _train(tmp_path / "m.jsonl", log_every=4, guard=guard)
+    m = read_metrics(tmp_path / "m.jsonl")
+    assert [r["step"] for r in m["train"]] == [4, 6]
+    assert [r["skipped_steps"] for r in m["train"]] == [1, 3] and m["train"][-1]["grad_norm"] is None
+    assert all(math.isfinite(r["loss"]) for r in m["train"])        # the losses stay finite: the gradient was not
+    skipped = [e for e in m["events"] if e["event"] == "skipped"]
+    assert [(e["step"], e["grad_norm"]) for e in skipped] == [(4, None), (5, None), (6, None)]   # NaN: null
 
 
 def test_train_lines_carry_mfu_where_the_devices_peak_is_known(tmp_path):

@@ -23,7 +23,7 @@ ANCHORS = {      # other docs link to these anchors on these pages (`results/mem
     "data.md": ["decode", "loader", "ingest", "leakage"],
     "comms.md": ["comms", "comms-hpz", "scaling", "heartbeat"],
     "training.md": ["contrastive", "grad-accum", "pure-bf16"],
-    "faults.md": ["checksum", "faults-chaos"],
+    "faults.md": ["nonfinite", "checksum", "faults-chaos"],
 }
 ANCHOR = re.compile(r'<a id="([a-z0-9-]+)"></a>')
 LINK = re.compile(r"\]\(([^)\s]+)\)")

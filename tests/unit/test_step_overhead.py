@@ -39,8 +39,13 @@ def test_bf16_runs_drop_the_per_gradient_check_and_one_rank_drops_overlap_comm()
     assert "check_grad_overflow" not in _ds("zero2", 1, "precision=fp16")["bf16"]      # fp16: the loss scaler's
     run = load_config(None, ["profile=zero2", "precision=bf16"])
     said = step_decisions(run, load_profile("zero2"), ds, 1)
-    assert len(said) == 2 and "bf16.check_grad_overflow=false" in said[0] and "overlap_comm off" in said[1]
-    assert step_decisions(run, load_profile("zero2"), _ds("zero2", 2, "precision=bf16"), 2) == [said[0]]
+    assert len(said) == 3 and "skipped by rsclip_ds" in said[0] and "clipping at 1 by rsclip_ds" in said[1]
+    assert "overlap_comm off" in said[2]
+    assert step_decisions(run, load_profile("zero2"), _ds("zero2", 2, "precision=bf16"), 2) == said[:2]
+    fp32 = load_config(None, ["profile=zero2", "precision=fp32"])
+    assert step_decisions(fp32, load_profile("zero2"), _ds("zero2", 2, "precision=fp32"), 2) == [
+        "a step whose gradient norm is not finite is skipped by DeepSpeed (ZeRO-2 fp32 tests the step's gradient "
+        "norm and skips the step)"]
 
 
 def _batches(rank: int, vocab: int):
@@ -52,18 +57,20 @@ def _batches(rank: int, vocab: int):
 
 def _steps(rank: int, world: int, out: str, profile: str, deepspeed_defaults: bool, nan_grad_at: int | None) -> dict:
     """Three bf16 optimizer steps of the tiny preset as the Trainer builds them. deepspeed_defaults: the
-    config as DeepSpeed 0.19.8 would run without our changes (per-gradient check on, the profile's
-    overlap_comm). nan_grad_at: that step's gradient of one weight becomes NaN (its loss stays
-    finite). -> the losses, what Guard.step_value recorded, and a digest of every weight."""
+    config as DeepSpeed 0.19.8 would run without our changes (per-gradient check on, so DeepSpeed clips
+    and skips, and the profile's overlap_comm). nan_grad_at: that step's gradient of one weight becomes
+    NaN (its loss stays finite). -> the losses, the optimizer's skipped-step count after each step, and
+    a digest of every weight."""
     from benchmarks.census import OpCensus
     from rsclip_ds.engine import engine_dtype
     from rsclip_ds.model import maybe_gathered, preset_bundle
-    from rsclip_ds.train import Guard, train_step
+    from rsclip_ds.train import train_step
     from rsclip_ds.trainer import Trainer
 
+    checked = ["bf16.check_grad_overflow=true"] if deepspeed_defaults else []
     run = load_config(None, [f"profile={profile}", "precision=bf16", "model.preset=tiny", "steps=3",
                              f"batch.micro_batch_size={MICRO}", "optim.warmup_steps=0", f"output_dir={out}/{rank}",
-                             "checkpoint.at_end=false", *ONE_THREAD])
+                             "checkpoint.at_end=false", *ONE_THREAD, *checked])
     bundle = preset_bundle("tiny", None, run.seed, own_vocabulary=True)
     batches = _batches(rank, bundle.model.config.text_config.vocab_size)
     state = {"step": 0}
@@ -71,26 +78,25 @@ def _steps(rank: int, world: int, out: str, profile: str, deepspeed_defaults: bo
     weight.register_hook(lambda g: g * math.nan if state["step"] == nan_grad_at else g)
     trainer = Trainer(run, model=bundle, loader=batches)
     if deepspeed_defaults:   # and ZeRO-3's hooks on every submodule (no leaf modules)
-        trainer.ds_config["bf16"]["check_grad_overflow"] = True
         trainer.ds_config["zero_optimization"]["overlap_comm"] = load_profile(profile).strategy[
             "zero_optimization"]["overlap_comm"]
         trainer.ds_config["zero_optimization"].pop("leaf_module", None)
-    losses, recorded = [], []
+    losses, skipped = [], []
     with trainer:
         parts = trainer.build()
-        engine, guard = parts.engine, Guard()
+        engine = parts.engine
         census = OpCensus()   # the third step's ops
         for step in (1, 2, 3):
             state["step"] = step
             with census if step == 3 else contextlib.nullcontext():
                 loss = train_step(engine, next(batches), parts.loss_fn, engine_dtype(engine))
             losses.append(float(loss))
-            recorded.append(float(guard.step_value(loss, engine)))
+            skipped.append(engine.skipped_steps)
         params = list(engine.module.parameters())
         with maybe_gathered(params):   # ZeRO-3: whole weights
             digest = [float(p.detach().double().sum()) for p in params] + \
                      [float((p.detach().double() ** 2).sum()) for p in params]
-    return {"losses": losses, "recorded": recorded, "digest": digest, "tensors": len(params),
+    return {"losses": losses, "skipped": skipped, "digest": digest, "tensors": len(params),
             "finite": all(math.isfinite(x) for x in digest), "named": dict(census.named)}
 
 
@@ -104,7 +110,7 @@ def test_removing_the_overhead_leaves_the_step_unchanged(tmp_path, profile, worl
         assert "value" in ours[rank], ours[rank].get("traceback")
         assert "value" in theirs[rank], theirs[rank].get("traceback")
         a, b = ours[rank]["value"], theirs[rank]["value"]
-        assert a["recorded"] == a["losses"] and a["finite"]
+        assert a["skipped"] == b["skipped"] == [0, 0, 0] and a["finite"]
         if profile.startswith("zero3"):
             # leaf modules: each encoder layer gathered as one unit, and its linears run torch's own
             # F.linear (addmm) instead of ZeRO-3's wrapper (mm, then add_ for the bias: the census's
@@ -128,12 +134,14 @@ def test_removing_the_overhead_leaves_the_step_unchanged(tmp_path, profile, worl
 
 
 @pytest.mark.parametrize("profile", ["zero2", "zero3"])
-def test_a_nan_gradient_under_a_finite_loss_is_recorded_as_a_non_finite_step(tmp_path, profile):
+def test_a_nan_gradient_under_a_finite_loss_is_skipped(tmp_path, profile):
+    """ZeRO-2: rsclip_ds's step guard skips it; ZeRO-3: DeepSpeed does (the whole matrix:
+    test_nonfinite_steps.py)."""
     [r] = run_ranks(_steps, 1, tmp_path / "r", str(tmp_path), profile, False, 2, launcher_env=True)
     assert "value" in r, r.get("traceback")
     v = r["value"]
     assert all(math.isfinite(x) for x in v["losses"][:2])           # the step-2 loss itself was finite
-    assert v["recorded"][0] == v["losses"][0] and math.isnan(v["recorded"][1])
+    assert v["skipped"] == [0, 1, 1] and v["finite"]
 
 
 def _lora_zero3(rank: int, world: int, out: str, profile: str, lora: bool) -> dict:

@@ -1,0 +1,270 @@
+"""A step whose gradient norm is not finite never reaches the weights, and non-finite weights are
+never written.
+
+**Skipping.** An optimizer step whose global gradient norm is inf or NaN leaves the weights, the
+optimizer's moments, its step count and the learning-rate schedule as they were, and counts as a
+skipped step (DeepSpeed's `engine.skipped_steps`). Who tests the norm depends on the optimizer
+DeepSpeed 0.19.8 builds (read from its source; every cell is run by tests/unit/test_nonfinite_steps.py):
+
+    | stage    | fp32                   | bf16                                           | fp16        |
+    |----------|------------------------|------------------------------------------------|-------------|
+    | 0        | rsclip (no DS check)   | DeepSpeed (FP16_Optimizer: per-tensor check)   | DeepSpeed   |
+    | ZeRO-1/2 | DeepSpeed (the norm)   | rsclip; DeepSpeed with check_grad_overflow or  | DeepSpeed   |
+    |          |                        | at ZeRO-1 with fp32 accumulation (BF16_Optimizer)|           |
+    | ZeRO-3   | DeepSpeed (the norm)   | DeepSpeed (the norm)                           | DeepSpeed   |
+
+DeepSpeed skips such a step by returning before its inner optimizer runs, then its engine counts
+it and leaves the schedule alone (`engine._take_model_step` reads `optimizer.overflow`). Where it
+does not test (bf16 at ZeRO-1/2 treats an invalid norm as an overflow only under its per-tensor
+check: `stage_1_and_2.py`, `step`), `StepGuard` does the same from the inner optimizer's step
+hooks: it reads the norm DeepSpeed computed for the step (one host read per optimizer step, no
+kernel), and for a non-finite one hides every gradient from the inner optimizer (torch's AdamW and
+DeepSpeed's skip a parameter without one: no moment, step count or weight decay moves) and tells
+the engine the step overflowed, which is what DeepSpeed's own skip does. It also clips, with
+DeepSpeed's formula, in place of DeepSpeed's clipping, which reads the norm on the host once per
+parameter group (profiles.build_ds_config then gives DeepSpeed gradient_clipping 0): one host sync
+a step instead of one per group.
+
+**Writing.** `nonfinite_tensors(engine)` tests what a rank would write -- the module's weights as
+it holds them (ZeRO-3: its partition) and its optimizer's master partitions and states -- and
+`check_weights` agrees on it across ranks with one gather. A checkpoint save and a resume refuse
+non-finite weights (`NonFiniteWeights`, exit code 8), and so does an export (`check_state_dict`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Literal
+
+import torch
+
+from rsclip_ds.config import ConfigError
+from rsclip_ds.runtime.rank_errors import RunStopped
+
+log = logging.getLogger("rsclip_ds")
+
+# elements per isfinite() call: its bool temporary stays 16 MiB on a full GPU at save time
+CHUNK = 1 << 24
+
+
+class NonFiniteWeights(RunStopped):
+    """A checkpoint save, a resume or an export found inf/NaN in the weights or optimizer states
+    it would write or load; nothing was written (docs/reference/exit-codes.md)."""
+    exit_code = 8
+    shared = said_by_rank0 = True   # agreed through one gather: every rank raises the same message
+
+
+# --------------------------------------------------------------------------- who guards
+
+@dataclass(frozen=True)
+class GuardPlan:
+    """Who skips a step whose gradient norm is not finite. owner 'deepspeed': its optimizer tests the
+    norm (or every gradient) and clips; 'rsclip': StepGuard does both (DeepSpeed's clipping off)."""
+    owner: Literal["deepspeed", "rsclip"]
+    reason: str
+
+    @property
+    def ours(self) -> bool:
+        return self.owner == "rsclip"
+
+
+def plan_guard(precision: str, stage: int, *, check_grad_overflow: bool, grad_accum: str, offload: bool,
+               compute_grad_norm: bool, profile: str) -> GuardPlan:
+    """The guard of a run (the table in the module docstring). Raises ConfigError where nothing would
+    test the gradients -- a profile's compute_grad_norm=false leaves DeepSpeed's ZeRO-1/2 without a
+    norm, and then only fp16's and bf16's per-tensor checks see an inf/NaN -- naming the fix."""
+    if precision == "fp16":
+        return GuardPlan("deepspeed", "fp16: DeepSpeed's loss scaler tests every gradient and skips the step")
+    if not compute_grad_norm and not (precision == "bf16" and check_grad_overflow):
+        fix = (" or --set bf16.check_grad_overflow=true (DeepSpeed's per-tensor test: three kernels per gradient "
+               "tensor and a host sync, each step)") if precision == "bf16" else ""
+        raise ConfigError(f"profile {profile} sets zero_optimization.compute_grad_norm=false: DeepSpeed then computes "
+                          f"no gradient norm, and under {precision} nothing would test the gradients for inf/NaN -- a "
+                          f"non-finite step would reach the weights. Remove compute_grad_norm from the profile{fix}")
+    if stage == 3:
+        return GuardPlan("deepspeed", "ZeRO-3 tests the step's gradient norm and skips the step")
+    if stage == 0:
+        if precision == "bf16":
+            return GuardPlan("deepspeed", "stage 0 bf16: DeepSpeed's FP16_Optimizer tests every gradient")
+        return GuardPlan("rsclip", "stage 0 fp32: DeepSpeed steps torch's AdamW as it is; rsclip_ds computes the "
+                                   "norm, clips and skips")
+    if precision == "fp32":
+        return GuardPlan("deepspeed", f"ZeRO-{stage} fp32 tests the step's gradient norm and skips the step")
+    if check_grad_overflow:
+        return GuardPlan("deepspeed", "bf16.check_grad_overflow=true: DeepSpeed tests every gradient tensor and the "
+                                      "norm")
+    if stage == 1 and grad_accum == "fp32" and not offload:
+        return GuardPlan("deepspeed", "ZeRO-1 bf16 with fp32 accumulation runs DeepSpeed's BF16_Optimizer, which "
+                                      "tests the norm")
+    return GuardPlan("rsclip", f"ZeRO-{stage} bf16: DeepSpeed applies a step whose norm is not finite unless its "
+                               f"per-tensor check is on; rsclip_ds reads the norm once per step, skips such a step "
+                               f"and clips in DeepSpeed's place (its clipping syncs the host once per parameter group)")
+
+
+# --------------------------------------------------------------------------- skipping
+
+class StepGuard:
+    """Skips a step whose gradient norm is not finite and clips the others, from the step hooks of
+    the optimizer that applies the update (`install_step_guard`).
+
+    DeepSpeed's ZeRO-1/2 `step` computes the global norm (`_global_grad_norm`, set before the update)
+    and then calls its inner optimizer once per parameter group, narrowed to that group. The first
+    call of a step reads the norm on the host -- the step's one sync -- and every call then either
+    clips the group's gradient (DeepSpeed's formula, `unscale_and_clip_grads` with a loss scale of
+    1, so the weights are bit-equal to DeepSpeed's own clipping) or hides it from the inner
+    optimizer until the call returns. At stage 0 (fp32) the inner optimizer is the engine's: the
+    guard computes the norm itself (torch's foreach norm, the one reduction the engine's clipping
+    would make) and hands it to the engine as `_global_grad_norm`."""
+
+    def __init__(self, outer, inner, clip: float, norm_of: Callable[[], torch.Tensor | None]):
+        self.outer, self.inner, self.clip, self._norm_of = outer, inner, clip, norm_of
+        self.skipped = 0                      # steps this guard skipped (DeepSpeed counts them too)
+        self._norm: torch.Tensor | None = None
+        self._bad = False
+        self._scale: torch.Tensor | None = None
+        self._hidden: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._handles = [inner.register_step_pre_hook(self._before), inner.register_step_post_hook(self._after)]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _before(self, optimizer, args, kwargs) -> None:
+        norm = self._norm_of()
+        if norm is None:   # plan_guard refuses the configurations without a norm; never guard blind
+            raise RuntimeError("the non-finite guard found no gradient norm for this step (DeepSpeed computed none): "
+                               "the run would apply inf/NaN gradients. Remove "
+                               "zero_optimization.compute_grad_norm=false")
+        if norm is not self._norm:   # the first parameter group of a new step: the step's one host read
+            self._norm, value = norm, float(norm)
+            self._bad = not math.isfinite(value) or value < 0   # DeepSpeed's invalid-norm rule
+            self._scale = None
+            if self._bad:
+                self.skipped += 1
+                self.outer.overflow = True   # what DeepSpeed's own skip sets: the engine counts it, no lr step
+            elif self.clip > 0:
+                # stage_1_and_2.unscale_and_clip_grads, loss scale 1: the same float32 ops, the same bits
+                scale = torch.clamp(((norm / 1.0) + 1e-6) / self.clip, min=1.0) * 1.0
+                self._scale = 1. / scale
+        groups = optimizer.param_groups
+        if self._bad:
+            self._hidden = [(p, p.grad) for g in groups for p in g["params"]]
+            for p, _ in self._hidden:
+                p.grad = None   # the optimizer skips a parameter without a gradient: nothing of it moves
+        elif self._scale is not None:
+            for g in groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(self._scale.to(p.grad.device))
+
+    def _after(self, optimizer, args, kwargs) -> None:
+        for p, grad in self._hidden:   # DeepSpeed's offload path keeps its gradient buffer across steps
+            p.grad = grad
+        self._hidden = []
+
+
+def install_step_guard(engine, plan: GuardPlan, clip: float) -> StepGuard | None:
+    """Hook a StepGuard onto the engine's optimizer where `plan` says rsclip guards (else None).
+    Refuses, loudly, an optimizer the plan did not expect: a guard that is not where it says it is
+    guards nothing."""
+    if not plan.ours:
+        return None
+    outer = engine.optimizer
+    name = type(outer).__name__
+    if name == "DeepSpeedZeroOptimizer":   # ZeRO-1/2: the norm DeepSpeed computed before the update
+        return StepGuard(outer, outer.optimizer, clip, lambda: outer._global_grad_norm)
+    if isinstance(outer, torch.optim.Optimizer) and not hasattr(outer, "optimizer"):   # stage 0: torch's own
+
+        def norm_of() -> torch.Tensor:
+            grads = [p.grad for g in outer.param_groups for p in g["params"] if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+            outer._global_grad_norm = norm   # the engine's get_global_grad_norm() reads it
+            outer.overflow = False           # StepGuard sets True for a step it skips
+            return norm
+        return StepGuard(outer, outer, clip, norm_of)
+    raise RuntimeError(f"the non-finite guard expected DeepSpeed's ZeRO-1/2 optimizer or torch's own at stage 0 "
+                       f"({plan.reason}), and DeepSpeed built {name}: refusing to train unguarded")
+
+
+# --------------------------------------------------------------------------- writing
+
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool on t's device: every element finite (chunked: no tensor-sized temporary)."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() <= CHUNK:
+        return torch.isfinite(flat).all()
+    return torch.stack([torch.isfinite(c).all() for c in flat.split(CHUNK)]).all()
+
+
+# DeepSpeed 0.19.8's master partitions, by optimizer: ZeRO-1/2, ZeRO-3 (whose inner optimizer holds a
+# sub-group's master only while it steps it), BF16_Optimizer
+MASTER_ATTRS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
+
+
+def optimizer_tensors(engine) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of this rank's optimizer: its master partitions and every state tensor (AdamW's
+    moments and step), in a fixed order -- what the rank's optimizer file of a checkpoint holds."""
+    outer = engine.optimizer
+    if outer is None:
+        return []
+    inner = getattr(outer, "optimizer", outer)
+    masters: dict[int, torch.Tensor] = {}
+    for attr in MASTER_ATTRS:
+        for t in getattr(outer, attr, None) or []:
+            if torch.is_tensor(t):
+                masters.setdefault(id(t), t)
+    if isinstance(inner, torch.optim.Optimizer):
+        for p in [p for g in inner.param_groups for p in g["params"]] + list(inner.state):
+            masters.setdefault(id(p), p)
+    out = []
+    for i, p in enumerate(masters.values()):
+        out.append((f"optimizer master {i}", p))
+        state = inner.state.get(p, {}) if isinstance(inner, torch.optim.Optimizer) else {}
+        out += [(f"optimizer {key} {i}", v) for key, v in sorted(state.items()) if torch.is_tensor(v)]
+    return out
+
+
+def _held(engine) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, tensor) of everything this rank writes in a checkpoint: the module's parameters as
+    this rank holds them (ZeRO-3: its partition, `ds_tensor`) and its optimizer's tensors."""
+    for name, p in engine.module.named_parameters():
+        yield name, getattr(p, "ds_tensor", p)
+    yield from optimizer_tensors(engine)
+
+
+def nonfinite_tensors(engine) -> list[str]:
+    """The names of this rank's tensors (`_held`) that hold an inf or NaN (one host read)."""
+    named = [(n, t) for n, t in _held(engine) if t.is_floating_point() and t.numel()]
+    if not named:
+        return []
+    # one device at a time (offloaded states live on the CPU, the module on the GPU)
+    flags: dict[torch.device, list[int]] = {}
+    for i, (_, t) in enumerate(named):
+        flags.setdefault(t.device, []).append(i)
+    bad = []
+    for device, idx in flags.items():
+        ok = torch.stack([_finite(named[i][1]) for i in idx]).cpu().tolist()
+        bad += [i for i, good in zip(idx, ok) if not good]
+    return [named[i][0] for i in sorted(bad)]
+
+
+def check_weights(engine, what: str, fix: str) -> None:
+    """Every rank: raise NonFiniteWeights (the same message on every rank) when any rank holds a
+    non-finite weight or optimizer state. One gather across ranks; `what` says what was refused
+    ('not saving checkpoint step00000040'), `fix` what to do."""
+    from rsclip_ds.runtime.storage import gather_on_every_rank
+
+    views = gather_on_every_rank(nonfinite_tensors(engine))
+    if not any(views):
+        return
+    where = "; ".join(f"rank {r}: {len(v)} tensor(s), e.g. {', '.join(v[:3])}" for r, v in enumerate(views) if v)
+    raise NonFiniteWeights(f"{what}: the weights or optimizer states are not finite ({where}). {fix}")
+
+
+def check_state_dict(state: dict[str, torch.Tensor], what: str, fix: str) -> None:
+    """One process (export): raise NonFiniteWeights naming the tensors of `state` with an inf/NaN."""
+    bad = [k for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point() and not bool(_finite(v))]
+    if bad:
+        raise NonFiniteWeights(f"{what}: {len(bad)} tensor(s) are not finite, e.g. {', '.join(bad[:3])}. {fix}")
