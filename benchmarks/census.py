@@ -116,17 +116,35 @@ def _bytes(tensors: list[torch.Tensor]) -> int:
     return total
 
 
+def is_host_sync(func, args, out) -> bool:
+    """An op that makes the host wait for the device: a value read on the host (item(), bool(), float():
+    _local_scalar_dense) or a copy from an accelerator into CPU memory. On CPU ranks only the first
+    kind exists; the count is what a GPU would wait on."""
+    name = func._opname if hasattr(func, "_opname") else func.__name__.split(".")[0]
+    if name == "_local_scalar_dense":
+        return True
+    if name in ("_to_copy", "copy_"):
+        src = args[1] if name == "copy_" and len(args) > 1 else (args[0] if args else None)
+        dst = args[0] if name == "copy_" else out
+        return isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and \
+            src.device.type != "cpu" and dst.device.type == "cpu"
+    return False
+
+
 class OpCensus(TorchDispatchMode):
-    """Counts every aten/c10d op dispatched while active: ops[kind], named[op], bytes[kind]."""
+    """Counts every aten/c10d op dispatched while active: ops[kind], named[op], bytes[kind], and the
+    host syncs among them (is_host_sync)."""
 
     def __init__(self):
         super().__init__()
         self.ops: Counter = Counter()
         self.named: Counter = Counter()
         self.bytes: Counter = Counter()
+        self.host_syncs = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.host_syncs += is_host_sync(func, args, out)
         kind = kind_of(func)
         if kind != "view":
             self.ops[kind] += 1
@@ -140,7 +158,8 @@ class OpCensus(TorchDispatchMode):
         return {"ops": {k: self.ops.get(k, 0) for k in KINDS}, "total_ops": sum(self.ops.values()),
                 "non_matmul_ops": non_matmul, "bytes": {k: self.bytes.get(k, 0) for k in KINDS if k not in
                                                         ("matmul", "attention")},
-                "non_matmul_bytes": sum(self.bytes.values()), "named": dict(self.named.most_common())}
+                "non_matmul_bytes": sum(self.bytes.values()), "host_syncs": self.host_syncs,
+                "named": dict(self.named.most_common())}
 
 
 # --------------------------------------------------------------------------- one subject (worker)

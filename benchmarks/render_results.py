@@ -141,6 +141,8 @@ THROUGHPUT = (
     Family("census", "Op census: aten ops per training step, ours per profile against the plain PyTorch twin",
            census.census, (
         Source("census_base_before.json", note="the command below at commit f43a822, before bf16.check_grad_overflow and the one-rank overlap_comm"),
+        Source("census_base_before_guard.json", note="the command below at commit b0cccf4 (this census.py, which "
+                                                     "counts host syncs), before the non-finite step guard"),
         Source("census_base.json", py("census", f"--out {R}/census_base.json")),
         Source("gpu_h200_census*.json", note="the same census on one H200 (CUDA), from the GPU script "
                                              "(docs/benchmarks/gpu.md)"))),
@@ -212,6 +214,9 @@ TRAINING = (
 )
 
 FAULTS = (
+    Family("nonfinite", "A step with an inf/NaN gradient, on every stage and precision", faults.nonfinite, (
+        Source("nonfinite_w1.json", py("faults.nonfinite", f"--out {R}/nonfinite_w1.json")),
+        Source("nonfinite_w2.json", ds(2, "faults.nonfinite", f"--out {R}/nonfinite_w2.json")))),
     Family("checksum", "Checkpoint manifest: checksum cost per GiB and per save", faults.checksum, (
         Source("checksum.json", note=removed("benchmarks/faults/checksum.py")),)),
     Family("faults-chaos", "Chaos: each fault, then --resume auto to the end", chaos.faults_chaos, (
@@ -226,7 +231,7 @@ PAGES = (
     Page("comms.md", "Communication", "`benchmarks/comms/` and a removed one-off script", COMMS),
     Page("training.md", "Losses and precision", "removed one-off scripts (`benchmarks/loss/`, `benchmarks/precision/`)",
          TRAINING),
-    Page("faults.md", "Faults", "removed one-off scripts (`benchmarks/faults/`)", FAULTS),
+    Page("faults.md", "Faults", "`benchmarks/faults/` and removed one-off scripts", FAULTS),
 )
 FAMILIES = tuple(f for page in PAGES for f in page.families)
 

@@ -42,8 +42,9 @@ def census(files: dict) -> list[str]:
             calls_vs = vs.get("python_calls_vs_twin") if vs else (1.0 if calls else None)
             rows.append([subject, *[row["ops"][k] for k in KINDS], row["non_matmul_ops"],
                          sig(row["non_matmul_bytes"] / MiB), fix(vs["non_matmul_ops_vs_twin"]) if vs else "1.00",
-                         f"{calls:,}" if calls else "-", fix(calls_vs, 1), _excess(row, twin) if vs else "-"])
+                         f"{calls:,}" if calls else "-", fix(calls_vs, 1), row.get("host_syncs", "-"),
+                         _excess(row, twin) if vs else "-"])
         out += table(["subject", *KINDS, "non-matmul ops", "non-matmul MiB", "ops vs twin", "Python calls",
-                      "calls vs twin", "most over the twin"], rows)
+                      "calls vs twin", "host syncs", "most over the twin"], rows)
         out += failed + ([""] if failed else [])
     return out

@@ -1,5 +1,6 @@
-"""Sections of docs/results/faults.md: the removed benchmarks/faults/checksum.py (the checkpoint manifest's
-checksum cost); its JSON stays, and `git show b0417e1:benchmarks/faults/checksum.py` restores the script."""
+"""Sections of docs/results/faults.md: benchmarks/faults/nonfinite.py (a step with an inf/NaN gradient on every
+stage and precision) and the removed benchmarks/faults/checksum.py (the checkpoint manifest's checksum cost);
+its JSON stays, and `git show b0417e1:benchmarks/faults/checksum.py` restores the script."""
 
 from __future__ import annotations
 
@@ -27,3 +28,26 @@ def checksum(files: dict) -> list[str]:
             "time on it (xxh3_128 from memory) and a resume's verification (cold read + hash):", ""]
     return out + table(["model", "parameters", "checkpoint MiB", "save s", "checksum CPU s", "share of the save",
                         "verify s"], models)
+
+
+def nonfinite(files: dict) -> list[str]:
+    """Per case (profile x precision, one row per launch's world size): who skipped the step with the
+    inf/NaN gradient, whether the weights, fp32 masters and moments equal the run without that batch on
+    every rank, and whether every checkpoint written is finite."""
+    rows = []
+    for name, rep in files.items():
+        world = len(rep["ranks"])
+        for i, row in enumerate(rep["ranks"][0]):
+            per_rank = [ranks[i] for ranks in rep["ranks"]]
+            equal = all(all(r["equal"].values()) and r["lr_equal"] for r in per_rank)
+            skipped = all(r["skipped"] == [0, 1] for r in per_rank)
+            saved = row["checkpoints"] or {}
+            rows.append([row["profile"], row["precision"], world, row["value"], row["guard"],
+                         "skipped" if skipped else f"not skipped ({row['skipped'][1]})",
+                         "yes" if equal else "NO", "yes" if all(r["finite"] for r in per_rank) else "NO",
+                         f"{sum(saved.values())} of {len(saved)}" if saved else "-"])
+    return ["A step-2 NaN or inf in one token-embedding row's gradient (a row no batch uses), on rank 0, against "
+            "the run without step 2's batch: bit-equal means every weight, fp32 master, AdamW moment and step "
+            "count on every rank, and the learning rate.", ""] + table(
+        ["profile", "precision", "ranks", "value", "who skips", "step 2", "bit-equal to the run without the batch",
+         "weights finite", "checkpoints finite"], rows)
