@@ -275,10 +275,16 @@ def consolidated_state_dict(path: str | Path) -> tuple[RunConfig, dict[str, torc
 
     root, tag = resolve_checkpoint(path)
     run = RunConfig.model_validate(load_meta(root, tag)["config"])
+    whole = root / tag / "mp_rank_00_model_states.pt"
+    if not any((root / tag).glob("*zero_pp_rank_*")):   # stage 0: the module, whole, is the state
+        with weights_only_loads():
+            module = torch.load(whole, map_location="cpu")["module"]
+        # fp32 and amp train fp32 weights; bf16/fp16 at stage 0 (DeepSpeed's FP16_Optimizer) export their
+        # 16-bit weights, the fp32 masters being flat in its optimizer state
+        return run, {k: v.float() for k, v in module.items() if v.is_floating_point()}
     with weights_only_loads():
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
-        whole = root / tag / "mp_rank_00_model_states.pt"   # ZeRO-1/2: the module, unpartitioned
-        if whole.is_file():
+        if whole.is_file():   # ZeRO-1/2: the module, unpartitioned
             # 0.19.8 saves frozen (locked) parameters for zero_to_fp32 only when gradients are
             # partitioned (ZeRO-2/3); under ZeRO-1 they are only in the module state dict
             module = torch.load(whole, map_location="cpu")["module"]

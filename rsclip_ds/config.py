@@ -17,6 +17,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
 from rsclip_ds.distill.config import DistillConfig
+from rsclip_ds.precision import Precision
 from rsclip_ds.runtime.compilation import CompileConfig
 from rsclip_ds.runtime.settings import Bf16Config, DistributedConfig, FaultConfig, Fp16Config, Strict
 
@@ -350,8 +351,9 @@ class EvalConfig(Strict):
 class RunConfig(Strict):
     profile: str = Field("zero2", description="DeepSpeed strategy: a name in ds_profiles/ (zero1, zero2, "
                          "zero2_offload, zero3, zero3_offload) or a path to a profile JSON.")
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "bf16", description="Training precision, managed by the DeepSpeed engine.")
+    precision: Precision = Field(
+        "bf16", description="Training precision (docs/guides/precision.md): fp32; bf16/fp16 (16-bit weights, fp32 "
+        "masters); amp_bf16/amp (fp32 weights, torch.autocast in bf16/fp16 + a gradient scaler).")
     steps: int = Field(100, ge=1, description="Optimizer steps to train.")
     seed: int = Field(0, description="Seed for model init, data order and dropout.")
     output_dir: Path = Field(Path("runs/default"), description="Where the run writes its summary and logs.")

@@ -74,7 +74,11 @@ def engine_dtype(engine) -> torch.dtype:
 
 
 def loss_scale(engine) -> float | None:
-    """The fp16 dynamic loss scale, or None when not training in fp16."""
+    """The fp16 dynamic loss scale (DeepSpeed's under fp16; torch's GradScaler, which DeepSpeed makes at stage 0,
+    under amp), or None without one. Reading GradScaler's scale is a host sync: call at log steps only."""
+    scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
+    if scaler is not None:
+        return float(scaler.get_scale())
     if not engine.fp16_enabled():
         return None
     opt = engine.optimizer

@@ -6,24 +6,26 @@ optimizer's moments, its step count and the learning-rate schedule as they were,
 skipped step (DeepSpeed's `engine.skipped_steps`). Who tests the norm depends on the optimizer
 DeepSpeed 0.19.8 builds (read from its source; every cell is run by tests/unit/test_nonfinite_steps.py):
 
-    | stage    | fp32                   | bf16                                           | fp16        |
+    | stage    | fp32, amp_bf16         | bf16                                           | fp16, amp   |
     |----------|------------------------|------------------------------------------------|-------------|
     | 0        | rsclip (no DS check)   | DeepSpeed (FP16_Optimizer: per-tensor check)   | DeepSpeed   |
     | ZeRO-1/2 | DeepSpeed (the norm)   | rsclip; DeepSpeed with check_grad_overflow or  | DeepSpeed   |
     |          |                        | at ZeRO-1 with fp32 accumulation (BF16_Optimizer)|           |
     | ZeRO-3   | DeepSpeed (the norm)   | DeepSpeed (the norm)                           | DeepSpeed   |
 
+(fp16 and amp: the loss scaler, DeepSpeed's or torch's GradScaler, tests every gradient.)
+
 DeepSpeed skips such a step by returning before its inner optimizer runs, then its engine counts
 it and leaves the schedule alone (`engine._take_model_step` reads `optimizer.overflow`). Where it
 does not test (bf16 at ZeRO-1/2 treats an invalid norm as an overflow only under its per-tensor
-check: `stage_1_and_2.py`, `step`), `StepGuard` does the same from the inner optimizer's step
-hooks: it reads the norm DeepSpeed computed for the step (one host read per optimizer step, no
-kernel), and for a non-finite one hides every gradient from the inner optimizer (torch's AdamW and
-DeepSpeed's skip a parameter without one: no moment, step count or weight decay moves) and tells
-the engine the step overflowed, which is what DeepSpeed's own skip does. It also clips, with
-DeepSpeed's formula, in place of DeepSpeed's clipping, which reads the norm on the host once per
-parameter group (profiles.build_ds_config then gives DeepSpeed gradient_clipping 0): one host sync
-a step instead of one per group.
+check: `stage_1_and_2.py`, `step`; stage 0 steps torch's AdamW as it is), `StepGuard` does the
+same from the inner optimizer's step hooks: it reads the step's norm (one host read per optimizer
+step, no kernel), and for a non-finite one hides every gradient from the inner optimizer (torch's
+AdamW and DeepSpeed's skip a parameter without one: no moment, step count or weight decay moves)
+and tells the engine the step overflowed, which is what DeepSpeed's own skip does. At ZeRO-1/2 it
+also clips, in every precision but fp16, in place of DeepSpeed's clipping, which reads the norm on
+the host once per parameter group (profiles.build_ds_config then gives DeepSpeed gradient_clipping
+0): one host sync a step instead of one per group, or none where DeepSpeed tests the norm itself.
 
 **Writing.** `nonfinite_tensors(engine)` tests what a rank would write -- the module's weights as
 it holds them (ZeRO-3: its partition) and its optimizer's master partitions and states -- and
@@ -60,23 +62,31 @@ class NonFiniteWeights(RunStopped):
 
 @dataclass(frozen=True)
 class GuardPlan:
-    """Who skips a step whose gradient norm is not finite. owner 'deepspeed': its optimizer tests the
-    norm (or every gradient) and clips; 'rsclip': StepGuard does both (DeepSpeed's clipping off)."""
-    owner: Literal["deepspeed", "rsclip"]
+    """Who skips a step whose gradient norm is not finite (`skips`) and who clips (`clips`): 'deepspeed',
+    its optimizer, or 'rsclip', the StepGuard (DeepSpeed's gradient_clipping is then 0)."""
+    skips: Literal["deepspeed", "rsclip"]
+    clips: Literal["deepspeed", "rsclip"]
     reason: str
 
     @property
     def ours(self) -> bool:
-        return self.owner == "rsclip"
+        """Whether a StepGuard is installed: it skips, clips, or both."""
+        return "rsclip" in (self.skips, self.clips)
 
 
 def plan_guard(precision: str, stage: int, *, check_grad_overflow: bool, grad_accum: str, offload: bool,
                compute_grad_norm: bool, profile: str) -> GuardPlan:
-    """The guard of a run (the table in the module docstring). Raises ConfigError where nothing would
-    test the gradients -- a profile's compute_grad_norm=false leaves DeepSpeed's ZeRO-1/2 without a
-    norm, and then only fp16's and bf16's per-tensor checks see an inf/NaN -- naming the fix."""
+    """The guard of a run (the table in the module docstring; amp_bf16 keeps fp32 weights, so DeepSpeed
+    treats it as fp32). Raises ConfigError where nothing would test the gradients -- a profile's
+    compute_grad_norm=false leaves DeepSpeed's ZeRO-1/2 without a norm, and then only fp16's and
+    bf16's per-tensor checks see an inf/NaN -- naming the fix."""
     if precision == "fp16":
-        return GuardPlan("deepspeed", "fp16: DeepSpeed's loss scaler tests every gradient and skips the step")
+        return GuardPlan("deepspeed", "deepspeed", "fp16: DeepSpeed's loss scaler tests every gradient and skips the step")
+    if precision == "amp":   # stage 0 only (profiles.build_ds_config refuses it under ZeRO)
+        return GuardPlan("rsclip", "rsclip", "amp at stage 0: DeepSpeed's torch GradScaler hands the fused AdamW its "
+                                             "scale and skips on device without telling the engine; rsclip_ds reads "
+                                             "the unscaled norm once per step, skips such a step (the scaler still "
+                                             "halves its scale) and clips")
     if not compute_grad_norm and not (precision == "bf16" and check_grad_overflow):
         fix = (" or --set bf16.check_grad_overflow=true (DeepSpeed's per-tensor test: three kernels per gradient "
                "tensor and a host sync, each step)") if precision == "bf16" else ""
@@ -84,42 +94,49 @@ def plan_guard(precision: str, stage: int, *, check_grad_overflow: bool, grad_ac
                           f"no gradient norm, and under {precision} nothing would test the gradients for inf/NaN -- a "
                           f"non-finite step would reach the weights. Remove compute_grad_norm from the profile{fix}")
     if stage == 3:
-        return GuardPlan("deepspeed", "ZeRO-3 tests the step's gradient norm and skips the step")
+        return GuardPlan("deepspeed", "deepspeed", "ZeRO-3 tests the step's gradient norm and skips the step")
     if stage == 0:
         if precision == "bf16":
-            return GuardPlan("deepspeed", "stage 0 bf16: DeepSpeed's FP16_Optimizer tests every gradient")
-        return GuardPlan("rsclip", "stage 0 fp32: DeepSpeed steps torch's AdamW as it is; rsclip_ds computes the "
-                                   "norm, clips and skips")
-    if precision == "fp32":
-        return GuardPlan("deepspeed", f"ZeRO-{stage} fp32 tests the step's gradient norm and skips the step")
+            return GuardPlan("deepspeed", "deepspeed", "stage 0 bf16: DeepSpeed's FP16_Optimizer tests every gradient")
+        return GuardPlan("rsclip", "rsclip", f"stage 0 {precision}: DeepSpeed steps torch's AdamW as it is; "
+                                             f"rsclip_ds computes the norm (one foreach norm), clips and skips")
+    ours_clip = ("rsclip_ds clips in DeepSpeed's place with its formula (DeepSpeed's clipping reads the norm on the "
+                 "host once per parameter group)")
+    if precision in ("fp32", "amp_bf16"):
+        return GuardPlan("deepspeed", "rsclip", f"ZeRO-{stage} {precision} (fp32 weights): DeepSpeed tests the "
+                                                f"step's gradient norm and skips the step; {ours_clip}")
     if check_grad_overflow:
-        return GuardPlan("deepspeed", "bf16.check_grad_overflow=true: DeepSpeed tests every gradient tensor and the "
-                                      "norm")
+        return GuardPlan("deepspeed", "deepspeed", "bf16.check_grad_overflow=true: DeepSpeed tests every gradient "
+                                                   "tensor and the norm, and clips")
     if stage == 1 and grad_accum == "fp32" and not offload:
-        return GuardPlan("deepspeed", "ZeRO-1 bf16 with fp32 accumulation runs DeepSpeed's BF16_Optimizer, which "
-                                      "tests the norm")
-    return GuardPlan("rsclip", f"ZeRO-{stage} bf16: DeepSpeed applies a step whose norm is not finite unless its "
-                               f"per-tensor check is on; rsclip_ds reads the norm once per step, skips such a step "
-                               f"and clips in DeepSpeed's place (its clipping syncs the host once per parameter group)")
+        return GuardPlan("deepspeed", "deepspeed", "ZeRO-1 bf16 with fp32 accumulation runs DeepSpeed's "
+                                                   "BF16_Optimizer, which tests the norm")
+    return GuardPlan("rsclip", "rsclip", f"ZeRO-{stage} bf16: DeepSpeed applies a step whose norm is not finite "
+                                         f"unless its per-tensor check is on; rsclip_ds reads the norm once per step "
+                                         f"and skips such a step; {ours_clip}")
 
 
 # --------------------------------------------------------------------------- skipping
 
 class StepGuard:
-    """Skips a step whose gradient norm is not finite and clips the others, from the step hooks of
-    the optimizer that applies the update (`install_step_guard`).
+    """Skips a step whose gradient norm is not finite (``skips``) and clips the others (``clip`` > 0),
+    from the step hooks of the optimizer that applies the update (`install_step_guard`).
 
     DeepSpeed's ZeRO-1/2 `step` computes the global norm (`_global_grad_norm`, set before the update)
-    and then calls its inner optimizer once per parameter group, narrowed to that group. The first
-    call of a step reads the norm on the host -- the step's one sync -- and every call then either
-    clips the group's gradient (DeepSpeed's formula, `unscale_and_clip_grads` with a loss scale of
-    1, so the weights are bit-equal to DeepSpeed's own clipping) or hides it from the inner
-    optimizer until the call returns. At stage 0 (fp32) the inner optimizer is the engine's: the
-    guard computes the norm itself (torch's foreach norm, the one reduction the engine's clipping
-    would make) and hands it to the engine as `_global_grad_norm`."""
+    and then calls its inner optimizer once per parameter group, narrowed to that group. Where the
+    guard skips, the first call of a step reads the norm on the host -- the step's one sync -- and a
+    non-finite one hides every gradient from the inner optimizer until the call returns; where
+    DeepSpeed skips (it tested the norm before calling), nothing is read. Every applied call clips the
+    group's gradient on the device with DeepSpeed's formula (`unscale_and_clip_grads`, loss scale 1:
+    the weights are bit-equal to DeepSpeed's own clipping). At stage 0 the inner optimizer is the
+    engine's torch AdamW: the guard computes the norm itself, as torch's clip_grad_norm_ does (one
+    foreach norm, then its clipping: the plain loop's ops), and hands it to the engine as
+    `_global_grad_norm`."""
 
-    def __init__(self, outer, inner, clip: float, norm_of: Callable[[], torch.Tensor | None]):
+    def __init__(self, outer, inner, clip: float, norm_of: Callable[[], torch.Tensor | None], *, skips: bool,
+                 torch_clipping: bool = False):
         self.outer, self.inner, self.clip, self._norm_of = outer, inner, clip, norm_of
+        self.skips, self.torch_clipping = skips, torch_clipping
         self.skipped = 0                      # steps this guard skipped (DeepSpeed counts them too)
         self._norm: torch.Tensor | None = None
         self._bad = False
@@ -137,27 +154,32 @@ class StepGuard:
             raise RuntimeError("the non-finite guard found no gradient norm for this step (DeepSpeed computed none): "
                                "the run would apply inf/NaN gradients. Remove "
                                "zero_optimization.compute_grad_norm=false")
-        if norm is not self._norm:   # the first parameter group of a new step: the step's one host read
-            self._norm, value = norm, float(norm)
-            self._bad = not math.isfinite(value) or value < 0   # DeepSpeed's invalid-norm rule
-            self._scale = None
+        if norm is not self._norm:   # the first parameter group of a new step
+            self._norm, self._bad, self._scale = norm, False, None
+            if self.skips:   # the step's one host read
+                value = float(norm)
+                self._bad = not math.isfinite(value) or value < 0   # DeepSpeed's invalid-norm rule
             if self._bad:
                 self.skipped += 1
                 self.outer.overflow = True   # what DeepSpeed's own skip sets: the engine counts it, no lr step
             elif self.clip > 0:
-                # stage_1_and_2.unscale_and_clip_grads, loss scale 1: the same float32 ops, the same bits
-                scale = torch.clamp(((norm / 1.0) + 1e-6) / self.clip, min=1.0) * 1.0
-                self._scale = 1. / scale
+                self._scale = self._clip_scale(norm)
         groups = optimizer.param_groups
         if self._bad:
             self._hidden = [(p, p.grad) for g in groups for p in g["params"]]
             for p, _ in self._hidden:
                 p.grad = None   # the optimizer skips a parameter without a gradient: nothing of it moves
         elif self._scale is not None:
-            for g in groups:
-                for p in g["params"]:
-                    if p.grad is not None:
-                        p.grad.mul_(self._scale.to(p.grad.device))
+            grads = [p.grad for g in groups for p in g["params"] if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, self._scale.to(grads[0].device))
+
+    def _clip_scale(self, norm: torch.Tensor) -> torch.Tensor:
+        """The factor the gradients are multiplied by (a 0-dim tensor on the norm's device)."""
+        if self.torch_clipping:   # torch.nn.utils.clip_grads_with_norm_
+            return torch.clamp(self.clip / (norm + 1e-6), max=1.0)
+        # stage_1_and_2.unscale_and_clip_grads with a loss scale of 1: the same float32 ops, the same bits
+        return 1. / (torch.clamp(((norm / 1.0) + 1e-6) / self.clip, min=1.0) * 1.0)
 
     def _after(self, optimizer, args, kwargs) -> None:
         for p, grad in self._hidden:   # DeepSpeed's offload path keeps its gradient buffer across steps
@@ -166,24 +188,28 @@ class StepGuard:
 
 
 def install_step_guard(engine, plan: GuardPlan, clip: float) -> StepGuard | None:
-    """Hook a StepGuard onto the engine's optimizer where `plan` says rsclip guards (else None).
+    """Hook a StepGuard onto the engine's optimizer where `plan` says rsclip skips or clips (else None).
     Refuses, loudly, an optimizer the plan did not expect: a guard that is not where it says it is
     guards nothing."""
     if not plan.ours:
         return None
     outer = engine.optimizer
     name = type(outer).__name__
+    skips, clip = plan.skips == "rsclip", clip if plan.clips == "rsclip" else 0.0
     if name == "DeepSpeedZeroOptimizer":   # ZeRO-1/2: the norm DeepSpeed computed before the update
-        return StepGuard(outer, outer.optimizer, clip, lambda: outer._global_grad_norm)
+        return StepGuard(outer, outer.optimizer, clip, lambda: outer._global_grad_norm, skips=skips)
     if isinstance(outer, torch.optim.Optimizer) and not hasattr(outer, "optimizer"):   # stage 0: torch's own
 
         def norm_of() -> torch.Tensor:
             grads = [p.grad for g in outer.param_groups for p in g["params"] if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+            scale = getattr(outer, "grad_scale", None)   # amp: torch's GradScaler leaves a fused AdamW the
+            if scale is not None:                        # gradients scaled and this to divide them by
+                norm = norm / scale.reshape(())
             outer._global_grad_norm = norm   # the engine's get_global_grad_norm() reads it
             outer.overflow = False           # StepGuard sets True for a step it skips
             return norm
-        return StepGuard(outer, outer, clip, norm_of)
+        return StepGuard(outer, outer, clip, norm_of, skips=skips, torch_clipping=True)
     raise RuntimeError(f"the non-finite guard expected DeepSpeed's ZeRO-1/2 optimizer or torch's own at stage 0 "
                        f"({plan.reason}), and DeepSpeed built {name}: refusing to train unguarded")
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from rsclip_ds.config import ConfigError, RunConfig
 from rsclip_ds.finite import GuardPlan, plan_guard
+from rsclip_ds.precision import autocast_section, compute_dtype, is_autocast, weight_dtype
 
 # The checkout's ds_profiles/ (editable install), else the copy a wheel installs under
 # <prefix>/share/rsclip_ds/ds_profiles (setup.cfg data_files).
@@ -49,6 +50,7 @@ RUN_KEYS = {
     "gradient_clipping": "optim.gradient_clipping",
     "data_types": "bf16.grad_accum_dtype",
     "communication_data_type": "distributed.communication_data_type",
+    "torch_autocast": "precision (amp_bf16, amp)",
 }
 # Our own block, removed before DeepSpeed sees the dict.
 RSCLIP_KEYS = {"description", "gpu_budget", "activation_checkpointing"}
@@ -259,6 +261,7 @@ def _run_values(run: RunConfig, sizes: BatchSizes, on_gpu: bool, offload: bool) 
             "weight_decay": o.weight_decay, "torch_adam": not use_ds_adam}},
         "bf16": {"enabled": run.precision == "bf16"},
         "fp16": {"enabled": run.precision == "fp16"},
+        **autocast_section(run.precision),   # amp_bf16 / amp: fp32 weights, torch.autocast in the forward
     }
     if not use_ds_adam:
         # torch's fused AdamW (CPU and CUDA kernels): one pass over each flat ZeRO partition in
@@ -296,7 +299,7 @@ def grad_accum_dtype(run: RunConfig, profile: Profile) -> str:
     DeepSpeed does when it is unset). Raises ConfigError where DeepSpeed 0.19.8 would refuse the
     pair, or silently not do what was asked, naming the fix."""
     if run.precision != "bf16":
-        return run.precision
+        return weight_dtype(run.precision)   # amp: the fp32 weights' gradients
     choice = run.bf16.grad_accum_dtype
     if choice == "auto":
         # bf16 masters: the mode exists to save bytes, and the sum is rounded to bf16 for the step
@@ -342,6 +345,15 @@ def communication_dtype(run: RunConfig, profile: Profile) -> str:
     """DeepSpeed's communication_data_type for this run, always written (the resolved ds_config.json
     shows the gradients' dtype on the wire): wire_dtype of distributed.communication_data_type,
     else the precision (what DeepSpeed does when the key is unset)."""
+    if is_autocast(run.precision):
+        choice = run.distributed.communication_data_type
+        if choice != "auto":
+            # DeepSpeed's ZeRO then reduces each parameter in its own comm_dtype and never reads this key
+            raise ConfigError(f"distributed.communication_data_type={choice} with precision={run.precision}: under "
+                              f"torch.autocast the wire dtype is per layer -- {compute_dtype(run.precision)} for the "
+                              f"layers autocast runs in {compute_dtype(run.precision)} (Linear, Conv), fp32 for the "
+                              f"rest -- so only auto is allowed; for one dtype on the wire use precision=bf16 or fp32")
+        return "fp32"   # the fp32 parameters outside AUTOCAST_MODULES; those inside go in compute_dtype
     return wire_dtype(run.distributed.communication_data_type, profile) or run.precision
 
 
@@ -428,6 +440,13 @@ def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu
         raise ConfigError(f"profile {profile.path.name} needs DeepSpeed's CUDA quantizer kernels for "
                           f"{', '.join(profile.cuda_only)}; these ranks run on the CPU accelerator: use "
                           f"zero3_hpz or zero3 here, {profile.name} on GPUs")
+    if run.precision == "amp" and profile.stage > 0:
+        # measured (ZeRO-1/2/3, 0.19.8): its ZeRO optimizers step torch's GradScaler without ever scaling the
+        # loss, and every step's gradient norm came out inf and was skipped
+        raise ConfigError(f"precision=amp (fp16 autocast with a gradient scaler) needs stage 0 ({profile.path.name} "
+                          f"has ZeRO-{profile.stage}): DeepSpeed 0.19.8's ZeRO optimizers do not scale the loss under "
+                          f"fp16 autocast, and every step is skipped. Use --set profile=ddp, or precision=amp_bf16 "
+                          f"(bf16 needs no scaler), or precision=fp16 (DeepSpeed's loss scaler) with ZeRO")
     sizes = derive_batch(run, world_size)
     values = _run_values(run, sizes, on_gpu, profile.offload_optimizer)
     values["data_types"] = {"grad_accum_dtype": grad_accum_dtype(run, profile)}
@@ -439,10 +458,10 @@ def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu
                 f"profile {profile.path.name} sets {key}={json.dumps(theirs)} but the run config gives "
                 f"{json.dumps(values.get(key))} (from {RUN_KEYS[key]}); per-run values come from the run "
                 f"config: remove {key!r} from the profile, or change {RUN_KEYS[key]}")
-    if guard_plan(run, profile).ours:
-        # rsclip_ds's step guard clips at optim.gradient_clipping, with DeepSpeed's formula, where it tests
-        # the norm (finite.StepGuard); DeepSpeed's ZeRO-1/2 clipping would read the norm on the host once
-        # per parameter group
+    if guard_plan(run, profile).clips == "rsclip":
+        # rsclip_ds's step guard clips at optim.gradient_clipping (finite.StepGuard): DeepSpeed's ZeRO-1/2
+        # clipping reads the norm on the host once per parameter group, its stage-0 clipping takes a norm
+        # and a multiplication per gradient tensor
         values["gradient_clipping"] = 0.0
     config = {"steps_per_print": 10**9, "wall_clock_breakdown": False, **profile.strategy, **values,
               **monitor_sections(run, profile)}
@@ -454,6 +473,13 @@ def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu
         # torch.optim.AdamW on offloaded states: allowed, slower than DeepSpeedCPUAdam on GPUs.
         config["zero_force_ds_cpu_optimizer"] = False
     return config
+
+
+def lone_stage0(profile: Profile, world_size: int) -> bool:
+    """Stage 0 on one rank: no gradient to average, so the Trainer turns DeepSpeed's stage-0 all-reduce off
+    (`engine.enable_backward_allreduce`), which would flatten every gradient into a bucket, reduce it with
+    itself and copy it back (measured: a copy_ per gradient tensor, benchmarks/census.py)."""
+    return profile.stage == 0 and world_size == 1
 
 
 def one_rank_overlap(profile: Profile, world_size: int) -> bool:

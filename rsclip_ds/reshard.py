@@ -47,6 +47,16 @@ def load_resharded(checkpointer: Checkpointer, engine, resume: str) -> dict[str,
     if tag is None:
         raise ConfigError(f"--resume {resume}: no complete checkpoint in {ck.root}")
     saved_world = load_meta(ck.root, tag)["world_size"]
+    if not zero_partitioned(ck.root / tag):   # stage 0: every rank's file holds everything, whatever the world
+        with weights_only_loads():
+            path, client = engine.load_checkpoint(str(ck.root), tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed could not load {ck.root / tag}")
+        step = client["rsclip"]["step"]
+        if ck.rank == 0:
+            log.info("resumed step %d written by %d ranks on %d ranks (stage 0: the whole model and optimizer in "
+                     "one file, no conversion) from %s", step, saved_world, ck.world_size, ck.root / tag)
+        return resharded_client_state(ck.root / tag, saved_world, ck.rank, step, ck.run_config.get("seed", 0))
     if not engine.load_universal_checkpoint():
         raise ConfigError(f"checkpoint {tag} was written by {saved_world} ranks, this run has {ck.world_size}: "
                           f"build the engine from universal_ds_config(...) to load it through DeepSpeed's "
@@ -90,9 +100,21 @@ def universal_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
     return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
 
 
-def needs_universal(root: Path, tag: str | None, world_size: int) -> bool:
-    """Whether resuming ``tag`` on ``world_size`` ranks goes through the universal format."""
+def other_world(root: Path, tag: str | None, world_size: int) -> bool:
+    """Whether ``tag`` was written by another number of ranks than ``world_size`` (load_resharded loads it)."""
     return tag is not None and load_meta(root, tag).get("world_size") != world_size
+
+
+def zero_partitioned(tag_dir: Path) -> bool:
+    """Whether a tag holds ZeRO partitions (DeepSpeed's zero_pp_rank_* files): a stage-0 tag has only the
+    whole model and optimizer state (mp_rank_00_model_states.pt), which any number of ranks loads."""
+    return any(Path(tag_dir).glob("*zero_pp_rank_*"))
+
+
+def needs_universal(root: Path, tag: str | None, world_size: int) -> bool:
+    """Whether resuming ``tag`` on ``world_size`` ranks goes through the universal format: ZeRO
+    partitions written by another number of ranks."""
+    return other_world(root, tag, world_size) and zero_partitioned(Path(root) / tag)
 
 
 def convert_to_universal(root: Path, tag: str, workers: int = 1) -> float:

@@ -46,8 +46,9 @@ from rsclip_ds.losses import build_loss
 from rsclip_ds.model import (ModelBundle, PatchDropoutSwitch, apply_activation_checkpointing, apply_patch_dropout,
                              build_model)
 from rsclip_ds.finite import check_weights, install_step_guard
+from rsclip_ds.precision import uses_fp16, weight_dtype
 from rsclip_ds.profiles import (BatchSizes, Profile, activation_checkpointing_enabled, build_ds_config,
-                                derive_batch, guard_plan, load_profile, one_rank_overlap, scaled_lr)
+                                derive_batch, guard_plan, load_profile, lone_stage0, one_rank_overlap, scaled_lr)
 from rsclip_ds.reporting.curves import plot_curves
 from rsclip_ds.reporting.epochs import epochs_record, startup_lines
 from rsclip_ds.reporting.load import DataWaitWatch
@@ -55,7 +56,7 @@ from rsclip_ds.reporting.metrics import MetricsLog, mfu_of
 from rsclip_ds.reporting.progress import ProgressReporter
 from rsclip_ds.reporting.summary import build_summary, print_summary, write_summary
 from rsclip_ds.reporting.wandb_log import build_wandb_log
-from rsclip_ds.reshard import load_resharded, needs_universal, universal_ds_config
+from rsclip_ds.reshard import load_resharded, needs_universal, other_world, universal_ds_config
 from rsclip_ds.runtime.storage import check_shared_dir
 from rsclip_ds.runtime.integrity import DiskFullError, checkpoint_bytes, param_counts, saves_in_run, space_shortfall
 from rsclip_ds.train import DiskFull, Guard, LoaderWorkerDied, Preempted, TrainResult, train
@@ -99,11 +100,14 @@ def check_run(run: RunConfig, *, shards: bool = True) -> tuple[Profile, dict]:
 def step_decisions(run: RunConfig, profile: Profile, ds_config: dict, world_size: int) -> list[str]:
     """What build_ds_config decided about the step on the user's behalf, for the start-up line."""
     plan = guard_plan(run, profile)
-    said = [f"a step whose gradient norm is not finite is skipped by {'rsclip_ds' if plan.ours else 'DeepSpeed'} "
-            f"({plan.reason})"]
-    if plan.ours and run.optim.gradient_clipping:
+    said = [f"a step whose gradient norm is not finite is skipped by "
+            f"{'rsclip_ds' if plan.skips == 'rsclip' else 'DeepSpeed'} ({plan.reason})"]
+    if plan.clips == "rsclip" and run.optim.gradient_clipping:
         said.append(f"clipping at {run.optim.gradient_clipping:g} by rsclip_ds's step guard (ds_config.json's "
                     f"gradient_clipping is 0)")
+    if lone_stage0(profile, world_size):
+        said.append("no gradient all-reduce (stage 0 on one rank: DeepSpeed would copy every gradient into a bucket "
+                    "and back)")
     if one_rank_overlap(profile, world_size):
         said.append(f"overlap_comm off (one rank: ZeRO-{profile.stage} has no reduction to overlap, and "
                     f"DeepSpeed would sync the device at every bucket)")
@@ -205,8 +209,8 @@ class Trainer:
             prepare_fresh_root(root, run.checkpoint.overwrite, info.rank)
         # a tag of another world size loads through DeepSpeed's universal format, which the
         # engine reads from its config at deepspeed.initialize: decided here, before the engine
-        resharded = needs_universal(root, tag, info.world_size)
-        if resharded:
+        resharded = other_world(root, tag, info.world_size)
+        if needs_universal(root, tag, info.world_size):   # ZeRO partitions (stage 0 loads as it is)
             self.ds_config = universal_ds_config(self.ds_config)
         with self._phase("model"):
             bundle = self.model or build_model(run.model, run.seed, loss=run.loss.name, ds_config=self.ds_config,
@@ -252,6 +256,8 @@ class Trainer:
             engine = build_engine(bundle.model, self.ds_config, groups,
                                   lr_scheduler(o.warmup_steps, run.steps, o.min_lr_ratio))
             self.step_guard = install_step_guard(engine, guard_plan(run, self.profile), o.gradient_clipping)
+            if lone_stage0(self.profile, info.world_size):
+                engine.enable_backward_allreduce = False   # DeepSpeed's own switch (its pipeline engine's too)
         checkpointer = self._checkpointer(bundle)
         with self._phase("resume"):
             if tag is None:
@@ -262,7 +268,7 @@ class Trainer:
                 resume = checkpointer.load(engine, tag)
             if resume is not None:   # a checkpoint written before saves were checked may hold inf/NaN
                 check_weights(engine, f"not resuming from {tag}", finite_fallback(checkpointer.root, tag, "resume"))
-            if resume is None and run.precision != "fp32" and bundle.source and bundle.source.folder:
+            if resume is None and weight_dtype(run.precision) != "fp32" and bundle.source and bundle.source.folder:
                 set_fp32_masters(engine, Path(bundle.source.folder))   # not rounded to the 16-bit dtype
             if switch and resume:   # the loop runs hooks at step 0 of a fresh run only
                 switch(resume["step"])
@@ -333,7 +339,7 @@ class Trainer:
     def _guard(self) -> Guard:
         f = self.run.faults
         return Guard(stop_requested=lambda: self.stop() or self._stop_asked, stop_check_every=f.stop_check_every,
-                     max_nonfinite_steps=f.max_nonfinite_steps, count_nonfinite=self.run.precision != "fp16",
+                     max_nonfinite_steps=f.max_nonfinite_steps, count_nonfinite=not uses_fp16(self.run.precision),
                      inject_nan_at_step=f.inject_nan_at_step, inject_nan_steps=f.inject_nan_steps,
                      inject_nan_value=f.inject_nan_value, inject_kill_at_step=f.inject_kill_at_step,
                      inject_freeze_at_step=f.inject_freeze_at_step, inject_data_delay_s=f.inject_data_delay_s,

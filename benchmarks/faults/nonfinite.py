@@ -22,7 +22,6 @@ tests/unit/test_nonfinite_steps.py runs the same cases on forked ranks and asser
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
@@ -34,17 +33,25 @@ if not __package__:
 import torch
 
 from benchmarks.harness import base_parser, environment, finish, page_tables, process_group, synthetic_data
+from rsclip_ds.precision import uses_fp16
 
 MICRO = 4
-# (profile, precision): every shipped stage, with and without offload, in fp32, bf16, bf16 masters and
-# the bf16 variants DeepSpeed guards itself; "stage0" is a user's stage-0 profile (none ships yet)
-CASES = [("zero1", "fp32"), ("zero1", "bf16"), ("zero1", "bf16 masters"), ("zero1", "bf16 fp32-accumulation"),
+# (profile, precision): every shipped stage, with and without offload, in fp32, bf16, bf16 masters, the bf16
+# variants DeepSpeed guards itself and the autocast precisions (amp: stage 0 only)
+# The autocast cases come last: DeepSpeed 0.19.8 keeps torch_autocast's state in module globals
+# (runtime/torch_autocast.py, TORCH_AUTOCAST_INITIALIZED), which the first engine with the section sets for
+# the process, so a later engine without it would reduce as if under autocast (a run has one engine).
+CASES = [("ddp", "fp32"), ("ddp", "bf16"),
+         ("zero1", "fp32"), ("zero1", "bf16"), ("zero1", "bf16 masters"), ("zero1", "bf16 fp32-accumulation"),
          ("zero2", "fp32"), ("zero2", "bf16"), ("zero2", "bf16 masters"), ("zero2", "bf16 checked"),
          ("zero2_offload", "fp32"), ("zero2_offload", "bf16"),
-         ("zero3", "fp32"), ("zero3", "bf16"), ("zero3", "bf16 masters"),
-         ("zero3_offload", "fp32"), ("zero3_offload", "bf16"), ("stage0", "fp32"), ("stage0", "bf16")]
+         ("zero3", "fp32"), ("zero3", "bf16"), ("zero3", "bf16 masters"), ("zero3_offload", "fp32"),
+         ("zero3_offload", "bf16"),
+         ("ddp", "amp_bf16"), ("ddp", "amp"), ("zero1", "amp_bf16"), ("zero2", "amp_bf16"),
+         ("zero2_offload", "amp_bf16"), ("zero3", "amp_bf16"), ("zero3_offload", "amp_bf16")]
 FP16_CASES = [("zero2", "fp16"), ("zero3", "fp16")]   # where the processor runs fp16 (DeepSpeed's CPU check)
 PRECISION = {"fp32": ["precision=fp32"], "bf16": ["precision=bf16"], "fp16": ["precision=fp16"],
+             "amp_bf16": ["precision=amp_bf16"], "amp": ["precision=amp"],
              "bf16 masters": ["precision=bf16", "bf16.master_weights=bf16"],
              "bf16 fp32-accumulation": ["precision=bf16", "bf16.grad_accum_dtype=fp32"],
              "bf16 checked": ["precision=bf16", "bf16.check_grad_overflow=true"]}
@@ -53,14 +60,7 @@ PRECISION = {"fp32": ["precision=fp32"], "bf16": ["precision=bf16"], "fp16": ["p
 def cases() -> list[tuple[str, str]]:
     """CASES, and the fp16 ones where DeepSpeed's CPU accelerator runs fp16 (or on a GPU)."""
     fp16 = torch.cuda.is_available() or torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    return CASES + (FP16_CASES if fp16 else [])
-
-
-def stage0_profile(folder: Path) -> str:
-    """A user's ZeRO stage-0 profile (data parallel, no ZeRO): none ships yet."""
-    path = Path(folder) / "stage0.json"
-    path.write_text(json.dumps({"rsclip": {"description": "data parallel"}, "zero_optimization": {"stage": 0}}))
-    return str(path)
+    return (FP16_CASES if fp16 else []) + CASES
 
 
 def batches(rank: int, vocab: int, drop: int | None) -> list[dict]:
@@ -120,12 +120,20 @@ def run_case(rank: int, out: Path, tokenizer, profile: str, precision: str, valu
                              "optim.warmup_steps=2", "optim.lr=5e-3", f"output_dir={out}", "logging.log_every=1",
                              f"checkpoint.every={2 if save else 0}", "checkpoint.at_end=false",
                              "distributed.threads_per_rank=1", "logging.progress=plain", *fault])
-    with Trainer(run, model=preset_bundle("tiny", tokenizer, 0),
+    around: dict[int, dict] = {}   # the state after steps 1 and 2: the skipped step must change none of it
+
+    def watch(step: int, engine) -> None:
+        if value and step in (1, 2):
+            around[step] = {**run_state(engine), "skipped": engine.skipped_steps, "lr": engine.get_lr()}
+    with Trainer(run, model=preset_bundle("tiny", tokenizer, 0), hooks=[watch],
                  loader=iter(batches(rank, len(tokenizer), None if value else 2))) as trainer:
         trainer.train()
         engine = trainer.parts.engine
         result = {"state": run_state(engine), "skipped": engine.skipped_steps, "lr": engine.get_lr(),
-                  "guard": "rsclip" if trainer.step_guard is not None else "deepspeed"}
+                  "unchanged": value and _equal(around[1], around[2]),
+                  "counted": value and (around[2]["skipped"] - around[1]["skipped"] == 1
+                                        and around[2]["lr"] == around[1]["lr"]),
+                  "guard": "rsclip" if trainer.step_guard is not None and trainer.step_guard.skips else "deepspeed"}
     if save and rank == 0:   # every tensor of every file of every checkpoint the run wrote
         root = out / "checkpoints"
         result["checkpoints"] = {tag: all(finite_file(f) for f in sorted((root / tag).glob("*.pt")))
@@ -137,29 +145,36 @@ def matrix(rank: int, world: int, folder: Path, tokenizer, cases: list[tuple[str
     """Every case on this rank, in one process group (each Trainer leaves it to its owner) -> one row
     per case: who skipped, the equality of each part with the reference, finiteness, checkpoints."""
     folder = Path(folder)
-    stage0 = stage0_profile(folder)
     rows = []
     for i, (profile, precision) in enumerate(cases):
-        name = stage0 if profile == "stage0" else profile
         value = ("nan", "inf")[i % 2]   # alternating: every profile meets both
         t0 = time.perf_counter()
-        ref = run_case(rank, folder / f"{i}-ref", tokenizer, name, precision, None, False)
-        bad = run_case(rank, folder / f"{i}-bad", tokenizer, name, precision, value, True)
-        equal = {k: len(ref["state"][k]) == len(bad["state"][k]) and
-                 all(torch.equal(a, b) for a, b in zip(ref["state"][k], bad["state"][k])) for k in ref["state"]}
+        ref = run_case(rank, folder / f"{i}-ref", tokenizer, profile, precision, None, False)
+        bad = run_case(rank, folder / f"{i}-bad", tokenizer, profile, precision, value, True)
         rows.append({"profile": profile, "precision": precision, "value": value, "guard": bad["guard"],
-                     "equal": equal, "finite": all(bool(torch.isfinite(t).all()) for ts in bad["state"].values()
-                                                   for t in ts),
+                     "unchanged": bad["unchanged"], "counted": bad["counted"], "equal": _equal(ref["state"], bad["state"]),
+                     "scaled": uses_fp16(PRECISION[precision][0].split("=")[1]),
+                     "finite": all(bool(torch.isfinite(t).all()) for ts in bad["state"].values() for t in ts),
                      "skipped": [ref["skipped"], bad["skipped"]], "lr_equal": ref["lr"] == bad["lr"],
                      "states": len(bad["state"]["states"]), "checkpoints": bad.get("checkpoints"),
                      "seconds": time.perf_counter() - t0})
     return rows
 
 
+def _equal(a: dict[str, list[torch.Tensor]], b: dict[str, list[torch.Tensor]]) -> dict[str, bool]:
+    """Per part (weights, masters, states): the same tensors, bit for bit."""
+    return {k: len(a[k]) == len(b[k]) and all(torch.equal(x, y) for x, y in zip(a[k], b[k]))
+            for k in ("weights", "masters", "states")}
+
+
 def passed(row: dict) -> bool:
-    """Skipped, the weights, masters and moments those of the run without the batch, every checkpoint finite."""
-    return (all(row["equal"].values()) and row["finite"] and row["states"] > 0 and row["skipped"] == [0, 1]
-            and row["lr_equal"] and (row["checkpoints"] is None or all(row["checkpoints"].values())))
+    """Skipped: nothing moved in step 2 and it was counted with the learning rate held; every checkpoint finite;
+    and, where no loss scale differs afterwards, the run's end bit-equal to the run without the batch (its
+    skipped count and learning rate too). fp16 and amp are left that last part: their scaler halves its scale at
+    the skip, so later steps round otherwise, and it skips steps of its own while it finds its scale."""
+    end = row["scaled"] or (all(row["equal"].values()) and row["skipped"] == [0, 1] and row["lr_equal"])
+    return (all(row["unchanged"].values()) and row["counted"] and end and row["finite"] and row["states"] > 0
+            and (row["checkpoints"] is None or all(row["checkpoints"].values())))
 
 
 def parse_args(argv):

@@ -68,7 +68,7 @@ ADAM_TEMPORARIES = {"cuda": 1, "cpu": 2}
 # p, g, k per parameter. DeepSpeed 0.19.8 keeps an fp32 master partition even in fp32
 # (`single_partition_of_fp32_groups`, `fp32_partitioned_groups_flat`), so k = 4 + 8 always
 # (measured by benchmarks/memory/per_rank.py).
-BYTES = {"fp32": (4, 4, 12), "bf16": (2, 2, 12), "fp16": (2, 2, 12)}
+BYTES = {"fp32": (4, 4, 12), "bf16": (2, 2, 12), "fp16": (2, 2, 12), "amp_bf16": (4, 4, 12), "amp": (4, 4, 12)}
 # Bytes per element of the master weights, of their gradient in the step and of AdamW's m and v, by
 # bf16.master_weights. 'bf16' (bf16_master_weights_and_grads + bf16_optimizer_states), measured in
 # 0.19.8 (benchmarks/memory/per_rank.py --set bf16.master_weights=bf16): a bf16 master partition beside the

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rsclip_ds.precision import uses_fp16
 from rsclip_ds.profiles import BatchSizes, Profile
 from rsclip_ds.reporting.load import HOST_PEAK, load_summary
 from rsclip_ds.train import TrainResult
@@ -74,13 +75,15 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def _skipped(s: dict[str, Any]) -> str:
-    """', 2 skipped (gradient norm not finite: steps 40, 41)' or fp16's ', 3 skipped (fp16 loss scaler)'."""
+    """', 2 skipped (gradient norm not finite: steps 40, 41)', or under a loss scale (fp16, amp) ', 3 skipped
+    (loss scaler)': it skips steps of its own while it finds its scale."""
     if not s["skipped_steps"]:
         return ""
     steps = s.get("skipped") or []
-    if s["precision"] == "fp16" or not steps:
-        return f", {s['skipped_steps']} skipped (fp16 loss scaler)" if s["precision"] == "fp16" else \
-            f", {s['skipped_steps']} skipped"
+    if uses_fp16(s["precision"]):
+        return f", {s['skipped_steps']} skipped (loss scaler)"
+    if not steps:
+        return f", {s['skipped_steps']} skipped"
     shown = ", ".join(str(x) for x in steps[:5]) + (f", ... {steps[-1]}" if len(steps) > 5 else "")
     return f", {s['skipped_steps']} skipped (gradient norm not finite: step{'s' if len(steps) > 1 else ''} {shown})"
 

@@ -166,9 +166,15 @@ def _tag_of_ranks(tmp_path, world: int, data=lambda r: {"position": 10 + r}):
 def test_universal_loading_is_decided_by_the_saved_world_size(tmp_path):
     from rsclip_ds.reshard import needs_universal, universal_ds_config
 
-    root, _ = _tag_of_ranks(tmp_path, world=2)
+    from rsclip_ds.reshard import other_world
+
+    root, tag_dir = _tag_of_ranks(tmp_path, world=2)
+    # stage 0 (the ddp profile): one file holds the whole model and optimizer, which any world loads as it is
+    assert other_world(root, tag_for(4), 3) and not needs_universal(root, tag_for(4), 3)
+    for r in range(2):   # ZeRO: each rank's partition of the optimizer state
+        (tag_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
     assert not needs_universal(root, tag_for(4), 2) and needs_universal(root, tag_for(4), 3)
-    assert not needs_universal(root, None, 3)   # a fresh start
+    assert not needs_universal(root, None, 3) and not other_world(root, None, 3)   # a fresh start
     base = {"train_batch_size": 12, "checkpoint": {"tag_validation": "Warn"}}
     assert universal_ds_config(base) == {"train_batch_size": 12,
                                          "checkpoint": {"tag_validation": "Warn", "load_universal": True}}
@@ -203,7 +209,9 @@ def test_no_loader_state_stays_none(tmp_path):
 def test_a_world_size_change_needs_an_engine_built_for_universal_loading(tmp_path):
     from rsclip_ds.reshard import load_resharded
 
-    root, _ = _tag_of_ranks(tmp_path, world=2)
+    root, tag_dir = _tag_of_ranks(tmp_path, world=2)
+    for r in range(2):   # ZeRO partitions (a stage-0 tag loads on any world as it is)
+        (tag_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
 
     class Engine:   # what deepspeed.initialize made without checkpoint.load_universal
         def load_universal_checkpoint(self):

@@ -17,7 +17,7 @@ def test_launcher_local_rank_is_accepted_anywhere():
 
 @pytest.mark.parametrize("sets, fragment", [
     (["bogus=1"], "bogus: unknown key"),
-    (["profile=zero9"], "unknown profile 'zero9'; available: zero1, zero2"),
+    (["profile=zero9"], "unknown profile 'zero9'; available: ddp, zero1, zero2"),
     (["data.train_shards=/nonexistent/shard-{0..3}.tar"], "matches no file"),
     ([], "data.train_shards is not set"),
     (["batch.micro_batch_size=0"], "batch.micro_batch_size: Input should be greater than or equal to 1"),

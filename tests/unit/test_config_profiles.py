@@ -22,7 +22,7 @@ def test_precedence_defaults_file_then_set(tmp_path):
 
 @pytest.mark.parametrize("override, fragment", [
     ("model.presett=tiny", "model.presett: unknown key; allowed here: activation_checkpointing, patch_dropout, patch_dropout_off_last_steps, preset, pretrained"),
-    ("precision=fp8", "precision: Input should be 'fp32', 'bf16' or 'fp16'"),
+    ("precision=fp8", "precision: Input should be 'fp32', 'bf16', 'fp16', 'amp_bf16' or 'amp'"),
     ("batch.micro_batch_size=0", "batch.micro_batch_size"),
     ("optim.lr_scaling=cubic", "optim.lr_scaling"),
     ("bogus=1", "bogus: unknown key; allowed here:"),
@@ -65,11 +65,11 @@ def test_batch_arithmetic_is_written_into_the_ds_config():
     assert ds["train_batch_size"] == 96
     assert ds["train_micro_batch_size_per_gpu"] == 8
     assert ds["gradient_accumulation_steps"] == 3
-    # explicit (DeepSpeed's default is 1.0 since 0.19.3): bf16 at ZeRO-2 clips in rsclip_ds's step guard
-    # (finite.StepGuard, at optim.gradient_clipping), fp32 in DeepSpeed
+    # explicit (DeepSpeed's default is 1.0 since 0.19.3): ZeRO-2 clips in rsclip_ds's step guard (finite.StepGuard,
+    # at optim.gradient_clipping), ZeRO-3 in DeepSpeed
     assert ds["gradient_clipping"] == 0.0
-    fp32 = load_config(None, ["batch.micro_batch_size=8", "batch.gradient_accumulation_steps=3", "precision=fp32"])
-    assert build_ds_config(fp32, load_profile("zero2"), 4, on_gpu=False)["gradient_clipping"] == 1.0
+    zero3 = load_config(None, ["batch.micro_batch_size=8", "batch.gradient_accumulation_steps=3"])
+    assert build_ds_config(zero3, load_profile("zero3"), 4, on_gpu=False)["gradient_clipping"] == 1.0
     assert ds["optimizer"]["params"]["torch_adam"] is True  # CPU ranks: no fused_adam JIT build
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
 
@@ -131,8 +131,13 @@ def test_activation_checkpointing_run_config_overrides_profile():
 
 def test_run_keys_cover_every_per_run_value():
     ds = build_ds_config(load_config(None, ["precision=fp16"]), load_profile("zero2"), 1, on_gpu=False)
-    assert set(RUN_KEYS) - {"scheduler"} <= set(ds)   # the schedule goes to deepspeed.initialize, not the dict
+    # the schedule goes to deepspeed.initialize, not the dict; torch_autocast only under the amp precisions
+    assert set(RUN_KEYS) - {"scheduler", "torch_autocast"} <= set(ds)
     assert ds["fp16"]["enabled"] and ds["fp16"]["initial_scale_power"] == 16
+    amp = build_ds_config(load_config(None, ["precision=amp_bf16"]), load_profile("zero2"), 1, on_gpu=False)
+    assert amp["torch_autocast"]["enabled"] and amp["torch_autocast"]["dtype"] == "bfloat16"
+    assert not amp["bf16"]["enabled"] and not amp["fp16"]["enabled"]
+    assert amp["data_types"] == {"grad_accum_dtype": "fp32"} and amp["communication_data_type"] == "fp32"
 
 
 def test_auto_optimizer_uses_deepspeed_cpu_adam_only_for_gpu_offload():

@@ -160,7 +160,8 @@ def test_profiles_command_lists_the_hybrid_profiles_with_what_they_need(capsys, 
 
     monkeypatch.setenv("COLUMNS", "250")   # rich wraps to the terminal: one line per profile
     assert main(["profiles"]) == 0
-    lines = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if line.startswith("│ zero")}
+    lines = {line.split()[1]: line for line in capsys.readouterr().out.splitlines()
+             if line.startswith(("│ zero", "│ ddp"))}
     assert set(lines) == set(available_profiles())
     assert "hpZ" in lines["zero3_hpz"] and "CUDA" not in lines["zero3_hpz"]
     assert "hpZ" in lines["zero3_zeropp"] and "CUDA" in lines["zero3_zeropp"]

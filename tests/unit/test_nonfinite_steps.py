@@ -42,14 +42,17 @@ def test_a_step_with_a_nonfinite_gradient_is_skipped_on_every_stage_and_precisio
         assert "value" in r, r.get("traceback")
     for row in ranks[0]["value"]:
         case = f"{row['profile']} {row['precision']} {row['value']}"
-        assert row["equal"] == {"weights": True, "masters": True, "states": True}, case
-        assert row["finite"] and row["states"] > 0 and row["lr_equal"], case
-        assert row["skipped"] == [0, 1], case
+        assert row["unchanged"] == {"weights": True, "masters": True, "states": True}, case   # step 2 moved nothing
+        assert row["counted"], case                                    # ... counted, the learning rate held
+        if not row["scaled"]:   # fp16 / amp: the scaler halved its scale at the skip, later steps round otherwise
+            assert row["equal"] == {"weights": True, "masters": True, "states": True}, case
+            assert row["skipped"] == [0, 1] and row["lr_equal"], case
+        assert row["finite"] and row["states"] > 0, case
         # checkpoints at steps 2 (right after the skipped step) and 4, every tensor finite
         assert row["checkpoints"] == {"step00000002": True, "step00000004": True}, case
         assert nonfinite.passed(row), case
     ours = {(p, "bf16") for p in ("zero1", "zero2", "zero2_offload")} | {
-        ("zero1", "bf16 masters"), ("zero2", "bf16 masters"), ("stage0", "fp32")}
+        ("zero1", "bf16 masters"), ("zero2", "bf16 masters"), ("ddp", "fp32"), ("ddp", "amp_bf16"), ("ddp", "amp")}
     assert {(r["profile"], r["precision"]) for r in ranks[0]["value"] if r["guard"] == "rsclip"} == ours
     for other in ranks[1:]:   # the ranks agree: the same decisions, each its own partition equal to its reference
         assert [(r["profile"], r["precision"], r["equal"], r["skipped"]) for r in other["value"]] == \
@@ -60,17 +63,21 @@ def _plan(profile: str, *sets: str):
     return guard_plan(load_config(None, [f"profile={profile}", *sets]), load_profile(profile))
 
 
-def test_who_skips_follows_the_optimizer_deepspeed_builds():
-    assert _plan("zero2", "precision=bf16").ours and _plan("zero1", "precision=bf16").ours
-    assert _plan("zero2_offload", "precision=bf16").ours
-    assert _plan("zero2", "precision=bf16", "bf16.master_weights=bf16").ours
-    assert not _plan("zero2", "precision=bf16", "bf16.check_grad_overflow=true").ours
-    assert not _plan("zero1", "precision=bf16", "bf16.grad_accum_dtype=fp32").ours   # BF16_Optimizer
-    for profile in ("zero1", "zero2", "zero3", "zero3_offload"):
-        assert not _plan(profile, "precision=fp32").ours and not _plan(profile, "precision=fp16").ours
-    assert not _plan("zero3", "precision=bf16").ours
+def test_who_skips_and_clips_follows_the_optimizer_deepspeed_builds():
+    table = {("zero2", "precision=bf16"): ("rsclip", "rsclip"), ("zero1", "precision=bf16"): ("rsclip", "rsclip"),
+             ("zero2_offload", "precision=bf16"): ("rsclip", "rsclip"),
+             ("zero2", "precision=bf16", "bf16.master_weights=bf16"): ("rsclip", "rsclip"),
+             ("zero2", "precision=bf16", "bf16.check_grad_overflow=true"): ("deepspeed", "deepspeed"),
+             ("zero1", "precision=bf16", "bf16.grad_accum_dtype=fp32"): ("deepspeed", "deepspeed"),   # BF16_Optimizer
+             ("zero1", "precision=fp32"): ("deepspeed", "rsclip"), ("zero2", "precision=amp_bf16"): ("deepspeed", "rsclip"),
+             ("zero2", "precision=fp16"): ("deepspeed", "deepspeed"), ("zero3", "precision=bf16"): ("deepspeed", "deepspeed"),
+             ("zero3_offload", "precision=amp_bf16"): ("deepspeed", "deepspeed")}
+    for (profile, *sets), owners in table.items():
+        plan = _plan(profile, *sets)
+        assert (plan.skips, plan.clips) == owners, (profile, sets)
     stage0 = dict(check_grad_overflow=False, grad_accum="fp32", offload=False, compute_grad_norm=True, profile="p")
-    assert plan_guard("fp32", 0, **stage0).ours and not plan_guard("bf16", 0, **stage0).ours
+    assert {plan_guard(p, 0, **stage0).skips for p in ("fp32", "amp_bf16", "amp")} == {"rsclip"}
+    assert not plan_guard("bf16", 0, **stage0).ours
 
 
 def test_deepspeed_clips_only_where_it_guards():
@@ -78,8 +85,10 @@ def test_deepspeed_clips_only_where_it_guards():
     assert build_ds_config(run, load_profile("zero2"), 2, on_gpu=False)["gradient_clipping"] == 0.0
     checked = load_config(None, ["profile=zero2", "precision=bf16", "bf16.check_grad_overflow=true"])
     assert build_ds_config(checked, load_profile("zero2"), 2, on_gpu=False)["gradient_clipping"] == 1.0
-    fp32 = load_config(None, ["profile=zero3", "precision=bf16"])
-    assert build_ds_config(fp32, load_profile("zero3"), 2, on_gpu=False)["gradient_clipping"] == 1.0
+    zero3 = load_config(None, ["profile=zero3", "precision=bf16"])
+    assert build_ds_config(zero3, load_profile("zero3"), 2, on_gpu=False)["gradient_clipping"] == 1.0
+    fp16 = load_config(None, ["profile=zero2", "precision=fp16"])
+    assert build_ds_config(fp16, load_profile("zero2"), 2, on_gpu=False)["gradient_clipping"] == 1.0
 
 
 def test_a_profile_without_a_gradient_norm_is_refused_unless_every_gradient_is_tested(tmp_path):
