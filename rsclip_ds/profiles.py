@@ -475,13 +475,6 @@ def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu
     return config
 
 
-def lone_stage0(profile: Profile, world_size: int) -> bool:
-    """Stage 0 on one rank: no gradient to average, so the Trainer turns DeepSpeed's stage-0 all-reduce off
-    (`engine.enable_backward_allreduce`), which would flatten every gradient into a bucket, reduce it with
-    itself and copy it back (measured: a copy_ per gradient tensor, benchmarks/census.py)."""
-    return profile.stage == 0 and world_size == 1
-
-
 def one_rank_overlap(profile: Profile, world_size: int) -> bool:
     """Whether build_ds_config turns the profile's overlap_comm off: ZeRO-1/2 on one rank, where
     there is no reduction to overlap with. DeepSpeed 0.19.8's ZeRO-1/2 with overlap_comm waits for

@@ -46,9 +46,10 @@ from rsclip_ds.losses import build_loss
 from rsclip_ds.model import (ModelBundle, PatchDropoutSwitch, apply_activation_checkpointing, apply_patch_dropout,
                              build_model)
 from rsclip_ds.finite import check_weights, install_step_guard
+from rsclip_ds.gradients import build_gradient_buckets
 from rsclip_ds.precision import uses_fp16, weight_dtype
 from rsclip_ds.profiles import (BatchSizes, Profile, activation_checkpointing_enabled, build_ds_config,
-                                derive_batch, guard_plan, load_profile, lone_stage0, one_rank_overlap, scaled_lr)
+                                derive_batch, guard_plan, load_profile, one_rank_overlap, scaled_lr)
 from rsclip_ds.reporting.curves import plot_curves
 from rsclip_ds.reporting.epochs import epochs_record, startup_lines
 from rsclip_ds.reporting.load import DataWaitWatch
@@ -105,9 +106,11 @@ def step_decisions(run: RunConfig, profile: Profile, ds_config: dict, world_size
     if plan.clips == "rsclip" and run.optim.gradient_clipping:
         said.append(f"clipping at {run.optim.gradient_clipping:g} by rsclip_ds's step guard (ds_config.json's "
                     f"gradient_clipping is 0)")
-    if lone_stage0(profile, world_size):
-        said.append("no gradient all-reduce (stage 0 on one rank: DeepSpeed would copy every gradient into a bucket "
-                    "and back)")
+    if profile.stage == 0:
+        said.append("no gradient all-reduce (one rank)" if world_size == 1 else
+                    "gradients averaged by rsclip_ds's overlapped all-reduce (buckets of "
+                    f"{int(ds_config.get('zero_optimization', {}).get('reduce_bucket_size', 10**7)):,} elements; "
+                    "DeepSpeed's stage-0 reduction waits for the whole backward and copies every gradient twice)")
     if one_rank_overlap(profile, world_size):
         said.append(f"overlap_comm off (one rank: ZeRO-{profile.stage} has no reduction to overlap, and "
                     f"DeepSpeed would sync the device at every bucket)")
@@ -148,6 +151,7 @@ class Trainer:
         self.parts: Parts | None = None
         self.wandb = None   # rank 0's reporting.wandb_log.WandbLog under logging.wandb (train() makes it)
         self.step_guard = None   # finite.StepGuard where rsclip_ds skips non-finite steps (build() installs it)
+        self.gradient_buckets = None   # gradients.GradientBuckets: stage 0's all-reduce on more than one rank
         self._owns_group = False
         # seconds per start-up phase, in order (train() adds the first step; the summary has all)
         self.startup: dict[str, float | None] = {}
@@ -256,8 +260,9 @@ class Trainer:
             engine = build_engine(bundle.model, self.ds_config, groups,
                                   lr_scheduler(o.warmup_steps, run.steps, o.min_lr_ratio))
             self.step_guard = install_step_guard(engine, guard_plan(run, self.profile), o.gradient_clipping)
-            if lone_stage0(self.profile, info.world_size):
-                engine.enable_backward_allreduce = False   # DeepSpeed's own switch (its pipeline engine's too)
+            self.gradient_buckets = build_gradient_buckets(   # stage 0: our overlapped reduction (or none)
+                engine, self.profile.stage, info.world_size,
+                int(self.ds_config.get("zero_optimization", {}).get("reduce_bucket_size", 10**7)))
         checkpointer = self._checkpointer(bundle)
         with self._phase("resume"):
             if tag is None:

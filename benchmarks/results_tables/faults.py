@@ -32,22 +32,23 @@ def checksum(files: dict) -> list[str]:
 
 def nonfinite(files: dict) -> list[str]:
     """Per case (profile x precision, one row per launch's world size): who skipped the step with the
-    inf/NaN gradient, whether the weights, fp32 masters and moments equal the run without that batch on
-    every rank, and whether every checkpoint written is finite."""
+    inf/NaN gradient, whether it moved nothing and was counted with the learning rate held, whether the
+    run's end equals the run without that batch on every rank, and whether every checkpoint is finite."""
     rows = []
     for name, rep in files.items():
         world = len(rep["ranks"])
         for i, row in enumerate(rep["ranks"][0]):
             per_rank = [ranks[i] for ranks in rep["ranks"]]
-            equal = all(all(r["equal"].values()) and r["lr_equal"] for r in per_rank)
-            skipped = all(r["skipped"] == [0, 1] for r in per_rank)
+            still = all(all(r["unchanged"].values()) and r["counted"] for r in per_rank)
+            equal = all(all(r["equal"].values()) and r["lr_equal"] and r["skipped"] == [0, 1] for r in per_rank)
             saved = row["checkpoints"] or {}
             rows.append([row["profile"], row["precision"], world, row["value"], row["guard"],
-                         "skipped" if skipped else f"not skipped ({row['skipped'][1]})",
-                         "yes" if equal else "NO", "yes" if all(r["finite"] for r in per_rank) else "NO",
+                         "skipped: nothing moved, counted, lr held" if still else "NOT SKIPPED",
+                         "n/a (loss scale halved)" if row["scaled"] else ("yes" if equal else "NO"),
+                         "yes" if all(r["finite"] for r in per_rank) else "NO",
                          f"{sum(saved.values())} of {len(saved)}" if saved else "-"])
-    return ["A step-2 NaN or inf in one token-embedding row's gradient (a row no batch uses), on rank 0, against "
-            "the run without step 2's batch: bit-equal means every weight, fp32 master, AdamW moment and step "
-            "count on every rank, and the learning rate.", ""] + table(
-        ["profile", "precision", "ranks", "value", "who skips", "step 2", "bit-equal to the run without the batch",
+    return ["A step-2 NaN or inf in one token-embedding row's gradient (a row no batch uses), on rank 0. \"Nothing "
+            "moved\": every weight, fp32 master, AdamW moment and step count on every rank after step 2 equals "
+            "after step 1, bit for bit; the run's end is compared with the run without step 2's batch.", ""] + table(
+        ["profile", "precision", "ranks", "value", "who skips", "step 2", "end bit-equal to the run without the batch",
          "weights finite", "checkpoints finite"], rows)

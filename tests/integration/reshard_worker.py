@@ -88,17 +88,24 @@ def full_optimizer_state(engine, param, key: str) -> torch.Tensor:
 
 
 def engine_state(engine) -> dict:
-    """Full tensors on every rank (collective at ZeRO-3: every rank must call it)."""
+    """Full tensors on every rank (collective at ZeRO-3: every rank must call it). Stage 0 (the ddp profile,
+    fp32 weights): the parameters are the masters and torch's AdamW holds their state as it is."""
     params = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-    state = {
-        "fp32": {n: safe_get_full_fp32_param(p).clone() for n, p in params},
-        "exp_avg": {n: full_optimizer_state(engine, p, "exp_avg") for n, p in params},
-        "exp_avg_sq": {n: full_optimizer_state(engine, p, "exp_avg_sq") for n, p in params},
-    }
+    stage0 = not hasattr(engine.optimizer, "optimizer")
+    if stage0:
+        state = {"fp32": {n: p.detach().clone() for n, p in params},
+                 **{key: {n: engine.optimizer.state[p][key].clone() for n, p in params}
+                    for key in ("exp_avg", "exp_avg_sq")}}
+    else:
+        state = {
+            "fp32": {n: safe_get_full_fp32_param(p).clone() for n, p in params},
+            "exp_avg": {n: full_optimizer_state(engine, p, "exp_avg") for n, p in params},
+            "exp_avg_sq": {n: full_optimizer_state(engine, p, "exp_avg_sq") for n, p in params},
+        }
     everything = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(everything, enabled=hasattr(everything[0], "ds_id")):
         state["module"] = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    base = engine.optimizer.optimizer
+    base = engine.optimizer if stage0 else engine.optimizer.optimizer
     state["adam_step"] = sorted({float(s["step"]) for s in base.state.values()})   # one value expected
     state["groups"] = [{k: v for k, v in g.items() if k != "params"} for g in base.param_groups]
     state["lr"] = engine.get_lr()

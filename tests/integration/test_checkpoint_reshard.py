@@ -13,7 +13,8 @@ Each case resumes a copy of its step-2 checkpoint on W' ranks and checks:
   (c) the run finishes its 4 steps with finite losses and saves a checkpoint of W' ranks;
   (d) the learning rate of step 3 is the schedule's (warmup_cosine) and the first run's.
 Matrix: 2 -> 3 ranks at ZeRO-1 and 3, and 2 -> 1 at ZeRO-3 (the stage whose load rsclip_ds
-repairs), that one reusing a conversion made beforehand; bf16 with optimizer offload (zero2_offload)
+repairs), that one reusing a conversion made beforehand; 2 -> 3 with the ddp profile (stage 0: its one
+file loads on any world, no conversion); bf16 with optimizer offload (zero2_offload)
 through the shard loader's test at the end. ZeRO-2 loads through the same DeepSpeed
 code as ZeRO-1 (stage_1_and_2.py; 2 -> 3 passed there too when written, left out to keep the
 suite's time). The data position part is its own test at the end, through the shard loader.
@@ -47,7 +48,8 @@ RESUMED = re.compile(r"resumed step (\d+) written by (\d+) ranks on (\d+) ranks 
 
 def worker(tokenizer: str, out: Path, nproc: int, stage: int, *args: str) -> str:
     """A reshard_worker.py launch that must succeed -> its output."""
-    sets = [f"profile=zero{stage}", f"steps={STEPS}", f"optim.warmup_steps={WARMUP}", f"optim.lr={LR}",
+    sets = [f"profile={'ddp' if stage == 0 else f'zero{stage}'}", f"steps={STEPS}", f"optim.warmup_steps={WARMUP}",
+            f"optim.lr={LR}",
             f"checkpoint.every={SAVED_AT}"]
     cmd = deepspeed_cmd() + ["--num_gpus", str(nproc), "--master_port", str(free_port()), str(WORKER),
                              "--out", str(out), "--tokenizer", tokenizer, "--global-batch", str(GLOBAL_BATCH),
@@ -86,8 +88,8 @@ def assert_equal(a: dict, b: dict, what: str) -> None:
     assert worst == 0.0, f"{what} differ by up to {worst}"
 
 
-@pytest.mark.parametrize("stage,new_world", [(1, 3), (3, 3), (3, 1)],
-                         ids=["zero1-2to3", "zero3-2to3", "zero3-2to1"])
+@pytest.mark.parametrize("stage,new_world", [(1, 3), (3, 3), (3, 1), (0, 3)],
+                         ids=["zero1-2to3", "zero3-2to3", "zero3-2to1", "ddp-2to3"])
 def test_resume_on_another_number_of_ranks(launch_data, first_run, tmp_path, stage, new_world):
     first = first_run(stage)
     out = tmp_path / "resumed"
@@ -99,14 +101,19 @@ def test_resume_on_another_number_of_ranks(launch_data, first_run, tmp_path, sta
         assert converted_here > 0 and convert_to_universal(root, tag) == 0.0
     text = worker(launch_data["tokenizer"], out, new_world, stage, "--resume", tag)
 
-    line = RESUMED.search(text)
-    assert line, text[-4000:]
-    assert line.group(1, 2, 3) == (str(SAVED_AT), "2", str(new_world))
-    done = json.loads((root / tag / UNIVERSAL_DIR / UNIVERSAL_DONE).read_text())
-    assert done["from_world_size"] == 2 and done["step"] == SAVED_AT
-    if converted_here is not None:
-        assert "reused" in line.group(5) and done["seconds"] == pytest.approx(converted_here)
-    print(f"ZeRO-{stage} 2 -> {new_world} ranks: {line.group(0)}")   # the seconds: docs/guides/checkpoints.md
+    if stage == 0:   # ddp: the whole model and optimizer in one file, which any world loads: no conversion
+        assert f"resumed step {SAVED_AT} written by 2 ranks on {new_world} ranks (stage 0: the whole model and " \
+               "optimizer in one file, no conversion)" in text, text[-4000:]
+        assert not (root / tag / UNIVERSAL_DIR).exists()
+    else:
+        line = RESUMED.search(text)
+        assert line, text[-4000:]
+        assert line.group(1, 2, 3) == (str(SAVED_AT), "2", str(new_world))
+        done = json.loads((root / tag / UNIVERSAL_DIR / UNIVERSAL_DONE).read_text())
+        assert done["from_world_size"] == 2 and done["step"] == SAVED_AT
+        if converted_here is not None:
+            assert "reused" in line.group(5) and done["seconds"] == pytest.approx(converted_here)
+        print(f"ZeRO-{stage} 2 -> {new_world} ranks: {line.group(0)}")   # the seconds: docs/guides/checkpoints.md
 
     saved = torch.load(first / f"state_at_{SAVED_AT}.pt", weights_only=False)
     loaded = torch.load(out / "state_resumed.pt", weights_only=False)

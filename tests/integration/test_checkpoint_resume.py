@@ -156,3 +156,19 @@ def test_frozen_rank_is_detected_by_the_heartbeat_within_the_peer_timeout(launch
     assert "rank(s) [1] sent no heartbeat for 5 s" in node_a
     assert down < 5 + 10, f"node a took {down:.0f} s to give up on a frozen rank"
     assert read_pointer(out / "checkpoints") == "step00000004"
+
+
+def test_ddp_amp_bf16_resumes_exactly(launch_data, tmp_path):
+    """The fast path (ddp: stage 0 with rsclip_ds's overlapped all-reduce, amp_bf16: fp32 weights under
+    torch.autocast) stops after step 4 and resumes to step 8 with the uninterrupted run's losses, learning
+    rates and final weights, bit for bit."""
+    fast = ["profile=ddp", "precision=amp_bf16"]
+    reference, out = tmp_path / "reference", tmp_path / "run"
+    ok(launch_run(launch_data, reference, *fast))
+    ok(launch_run(launch_data, out, *fast, "checkpoint.stop_after=4"))
+    proc = ok(launch_run(launch_data, out, *fast, extra=["--resume", "latest"]))
+    assert "gradients averaged by rsclip_ds's overlapped all-reduce" in proc.stdout + proc.stderr
+    s, ref = summary(out), summary(reference)
+    assert s["losses"] == ref["losses"] and s["lrs"] == ref["lrs"] and s["resumed_from"] == [4]
+    assert ref["precision"] == "amp_bf16" and ref["zero_stage"] == 0
+    assert_same_weights(out, reference)
