@@ -38,9 +38,11 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Iterable, Literal
 
 import torch
+import torch.distributed as dist
 
 from rsclip_ds.config import ConfigError
 from rsclip_ds.runtime.rank_errors import RunStopped
@@ -62,11 +64,13 @@ class NonFiniteWeights(RunStopped):
 
 @dataclass(frozen=True)
 class GuardPlan:
-    """Who skips a step whose gradient norm is not finite (`skips`) and who clips (`clips`): 'deepspeed',
-    its optimizer, or 'rsclip', the StepGuard (DeepSpeed's gradient_clipping is then 0)."""
+    """Who skips a step whose gradient norm is not finite (`skips`), who clips (`clips`) and who computes the
+    norm (`norm`): 'deepspeed', its optimizer, or 'rsclip', the StepGuard (DeepSpeed's gradient_clipping is
+    then 0; its zero_optimization.compute_grad_norm false where rsclip_ds computes the norm)."""
     skips: Literal["deepspeed", "rsclip"]
     clips: Literal["deepspeed", "rsclip"]
     reason: str
+    norm: Literal["deepspeed", "rsclip"] = "deepspeed"
 
     @property
     def ours(self) -> bool:
@@ -77,9 +81,9 @@ class GuardPlan:
 def plan_guard(precision: str, stage: int, *, check_grad_overflow: bool, grad_accum: str, offload: bool,
                compute_grad_norm: bool, profile: str) -> GuardPlan:
     """The guard of a run (the table in the module docstring; amp_bf16 keeps fp32 weights, so DeepSpeed
-    treats it as fp32). Raises ConfigError where nothing would test the gradients -- a profile's
-    compute_grad_norm=false leaves DeepSpeed's ZeRO-1/2 without a norm, and then only fp16's and
-    bf16's per-tensor checks see an inf/NaN -- naming the fix."""
+    treats it as fp32). At ZeRO-1/2 without offload rsclip_ds computes the norm too (DeepSpeed's
+    compute_grad_norm off), so a profile's compute_grad_norm=false is what it runs anyway; with offload,
+    where DeepSpeed refuses it, it is a ConfigError naming the fix."""
     if precision == "fp16":
         return GuardPlan("deepspeed", "deepspeed", "fp16: DeepSpeed's loss scaler tests every gradient and skips the step")
     if precision == "amp":   # stage 0 only (profiles.build_ds_config refuses it under ZeRO)
@@ -87,12 +91,6 @@ def plan_guard(precision: str, stage: int, *, check_grad_overflow: bool, grad_ac
                                              "scale and skips on device without telling the engine; rsclip_ds reads "
                                              "the unscaled norm once per step, skips such a step (the scaler still "
                                              "halves its scale) and clips")
-    if not compute_grad_norm and not (precision == "bf16" and check_grad_overflow):
-        fix = (" or --set bf16.check_grad_overflow=true (DeepSpeed's per-tensor test: three kernels per gradient "
-               "tensor and a host sync, each step)") if precision == "bf16" else ""
-        raise ConfigError(f"profile {profile} sets zero_optimization.compute_grad_norm=false: DeepSpeed then computes "
-                          f"no gradient norm, and under {precision} nothing would test the gradients for inf/NaN -- a "
-                          f"non-finite step would reach the weights. Remove compute_grad_norm from the profile{fix}")
     if stage == 3:
         return GuardPlan("deepspeed", "deepspeed", "ZeRO-3 tests the step's gradient norm and skips the step")
     if stage == 0:
@@ -100,8 +98,19 @@ def plan_guard(precision: str, stage: int, *, check_grad_overflow: bool, grad_ac
             return GuardPlan("deepspeed", "deepspeed", "stage 0 bf16: DeepSpeed's FP16_Optimizer tests every gradient")
         return GuardPlan("rsclip", "rsclip", f"stage 0 {precision}: DeepSpeed steps torch's AdamW as it is; "
                                              f"rsclip_ds computes the norm (one foreach norm), clips and skips")
+    if not offload and not check_grad_overflow and not (precision == "bf16" and stage == 1 and grad_accum == "fp32"):
+        # DeepSpeed's ZeRO-1/2 norm casts every gradient tensor to fp64 and takes its norm one by one (two ops and
+        # 10 bytes per element a step); its clipping reads the norm on the host once per parameter group
+        return GuardPlan("rsclip", "rsclip", f"ZeRO-{stage} {precision}: rsclip_ds computes the gradient norm (one "
+                                             f"foreach norm over the partition, in fp32), reads it once per step, "
+                                             f"skips a step whose norm is not finite and clips, in DeepSpeed's "
+                                             f"place", norm="rsclip")
     ours_clip = ("rsclip_ds clips in DeepSpeed's place with its formula (DeepSpeed's clipping reads the norm on the "
                  "host once per parameter group)")
+    if not compute_grad_norm and offload:   # under offload the norm is DeepSpeed's (rsclip_ds computes none)
+        raise ConfigError(f"profile {profile} sets zero_optimization.compute_grad_norm=false with optimizer offload, "
+                          f"which DeepSpeed refuses and where nothing else would test the gradients: remove "
+                          f"compute_grad_norm from the profile")
     if precision in ("fp32", "amp_bf16"):
         return GuardPlan("deepspeed", "rsclip", f"ZeRO-{stage} {precision} (fp32 weights): DeepSpeed tests the "
                                                 f"step's gradient norm and skips the step; {ours_clip}")
@@ -187,6 +196,32 @@ class StepGuard:
         self._hidden = []
 
 
+def partition_norm(zero) -> torch.Tensor:
+    """The step's global gradient norm at DeepSpeed's ZeRO-1/2 with compute_grad_norm off, computed at the
+    inner optimizer's first call of the step and kept in `_global_grad_norm` (which DeepSpeed reset to None
+    at the start of the step and reads afterwards): every rank's partition of the gradients -- the first
+    group's already flattened to fp32 (`single_partition_of_fp32_groups[0].grad`), the others still the
+    per-parameter pieces of `averaged_gradients` -- in one foreach norm accumulated in fp32, the squares
+    summed over the data-parallel group. DeepSpeed's own casts each tensor to fp64 and takes its norm one
+    by one; the two agree to fp32 rounding."""
+    if zero._global_grad_norm is not None:   # a later group of this step: the norm is made
+        return zero._global_grad_norm
+    tensors = []
+    for i in range(len(zero.bit16_groups)):
+        flat = zero.single_partition_of_fp32_groups[i].grad
+        pieces = zero.averaged_gradients.get(i) if flat is None else [flat]
+        if not isinstance(pieces, (list, tuple)):   # DeepSpeed's compact buffers (DeepCompile): not ours to read
+            raise RuntimeError(f"the non-finite guard cannot read ZeRO's gradient partition of group {i} "
+                               f"({type(pieces).__name__}): run with bf16.check_grad_overflow=true")
+        tensors += [t for t in pieces if t is not None and t.numel()]
+    squares = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum() if tensors else \
+        torch.zeros((), device=zero.device)
+    if dist.is_initialized():
+        dist.all_reduce(squares, group=zero.dp_process_group)
+    zero._global_grad_norm = squares.sqrt()
+    return zero._global_grad_norm
+
+
 def install_step_guard(engine, plan: GuardPlan, clip: float) -> StepGuard | None:
     """Hook a StepGuard onto the engine's optimizer where `plan` says rsclip skips or clips (else None).
     Refuses, loudly, an optimizer the plan did not expect: a guard that is not where it says it is
@@ -196,8 +231,9 @@ def install_step_guard(engine, plan: GuardPlan, clip: float) -> StepGuard | None
     outer = engine.optimizer
     name = type(outer).__name__
     skips, clip = plan.skips == "rsclip", clip if plan.clips == "rsclip" else 0.0
-    if name == "DeepSpeedZeroOptimizer":   # ZeRO-1/2: the norm DeepSpeed computed before the update
-        return StepGuard(outer, outer.optimizer, clip, lambda: outer._global_grad_norm, skips=skips)
+    if name == "DeepSpeedZeroOptimizer":   # ZeRO-1/2: DeepSpeed's norm, computed before the update, or ours
+        norm_of = partial(partition_norm, outer) if plan.norm == "rsclip" else lambda: outer._global_grad_norm
+        return StepGuard(outer, outer.optimizer, clip, norm_of, skips=skips)
     if isinstance(outer, torch.optim.Optimizer) and not hasattr(outer, "optimizer"):   # stage 0: torch's own
 
         def norm_of() -> torch.Tensor:

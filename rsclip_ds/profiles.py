@@ -458,7 +458,8 @@ def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu
                 f"profile {profile.path.name} sets {key}={json.dumps(theirs)} but the run config gives "
                 f"{json.dumps(values.get(key))} (from {RUN_KEYS[key]}); per-run values come from the run "
                 f"config: remove {key!r} from the profile, or change {RUN_KEYS[key]}")
-    if guard_plan(run, profile).clips == "rsclip":
+    guard = guard_plan(run, profile)
+    if guard.clips == "rsclip":
         # rsclip_ds's step guard clips at optim.gradient_clipping (finite.StepGuard): DeepSpeed's ZeRO-1/2
         # clipping reads the norm on the host once per parameter group, its stage-0 clipping takes a norm
         # and a multiplication per gradient tensor
@@ -467,6 +468,8 @@ def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu
               **monitor_sections(run, profile)}
     if "zero_optimization" in config:
         config["zero_optimization"] = resolve_per_node(profile, world_size, local_world_size)
+        if guard.norm == "rsclip":   # the step guard computes the norm (finite.partition_norm)
+            config["zero_optimization"]["compute_grad_norm"] = False
         if one_rank_overlap(profile, world_size):
             config["zero_optimization"]["overlap_comm"] = False
     if profile.offload_optimizer and values["optimizer"]["params"]["torch_adam"]:

@@ -52,7 +52,8 @@ def test_a_step_with_a_nonfinite_gradient_is_skipped_on_every_stage_and_precisio
         assert row["checkpoints"] == {"step00000002": True, "step00000004": True}, case
         assert nonfinite.passed(row), case
     ours = {(p, "bf16") for p in ("zero1", "zero2", "zero2_offload")} | {
-        ("zero1", "bf16 masters"), ("zero2", "bf16 masters"), ("ddp", "fp32"), ("ddp", "amp_bf16"), ("ddp", "amp")}
+        (p, q) for p in ("zero1", "zero2") for q in ("fp32", "amp_bf16", "bf16 masters")} | {
+        ("ddp", "fp32"), ("ddp", "amp_bf16"), ("ddp", "amp")}
     assert {(r["profile"], r["precision"]) for r in ranks[0]["value"] if r["guard"] == "rsclip"} == ours
     for other in ranks[1:]:   # the ranks agree: the same decisions, each its own partition equal to its reference
         assert [(r["profile"], r["precision"], r["equal"], r["skipped"]) for r in other["value"]] == \
@@ -69,12 +70,16 @@ def test_who_skips_and_clips_follows_the_optimizer_deepspeed_builds():
              ("zero2", "precision=bf16", "bf16.master_weights=bf16"): ("rsclip", "rsclip"),
              ("zero2", "precision=bf16", "bf16.check_grad_overflow=true"): ("deepspeed", "deepspeed"),
              ("zero1", "precision=bf16", "bf16.grad_accum_dtype=fp32"): ("deepspeed", "deepspeed"),   # BF16_Optimizer
-             ("zero1", "precision=fp32"): ("deepspeed", "rsclip"), ("zero2", "precision=amp_bf16"): ("deepspeed", "rsclip"),
+             ("zero1", "precision=fp32"): ("rsclip", "rsclip"), ("zero2", "precision=amp_bf16"): ("rsclip", "rsclip"),
+             ("zero2_offload", "precision=fp32"): ("deepspeed", "rsclip"),
              ("zero2", "precision=fp16"): ("deepspeed", "deepspeed"), ("zero3", "precision=bf16"): ("deepspeed", "deepspeed"),
              ("zero3_offload", "precision=amp_bf16"): ("deepspeed", "deepspeed")}
     for (profile, *sets), owners in table.items():
         plan = _plan(profile, *sets)
         assert (plan.skips, plan.clips) == owners, (profile, sets)
+        # rsclip_ds computes the norm at ZeRO-1/2 without offload wherever it skips there
+        zero12 = profile in ("zero1", "zero2") and owners == ("rsclip", "rsclip")
+        assert plan.norm == ("rsclip" if zero12 else "deepspeed"), (profile, sets)
     stage0 = dict(check_grad_overflow=False, grad_accum="fp32", offload=False, compute_grad_norm=True, profile="p")
     assert {plan_guard(p, 0, **stage0).skips for p in ("fp32", "amp_bf16", "amp")} == {"rsclip"}
     assert not plan_guard("bf16", 0, **stage0).ours
@@ -91,17 +96,25 @@ def test_deepspeed_clips_only_where_it_guards():
     assert build_ds_config(fp16, load_profile("zero2"), 2, on_gpu=False)["gradient_clipping"] == 1.0
 
 
-def test_a_profile_without_a_gradient_norm_is_refused_unless_every_gradient_is_tested(tmp_path):
+def test_a_profile_without_a_gradient_norm_gets_the_guards_or_is_refused(tmp_path):
+    """DeepSpeed computes no norm with compute_grad_norm=false: at ZeRO-1/2 the step guard's own norm is what
+    runs anyway (and what rsclip_ds sets); with optimizer offload, which DeepSpeed refuses it for, it is refused."""
     path = tmp_path / "nonorm.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 2, "compute_grad_norm": False}}))
-    for precision in ("fp32", "bf16"):
-        run = load_config(None, [f"profile={path}", f"precision={precision}", "optim.gradient_clipping=0"])
-        with pytest.raises(ConfigError, match="compute_grad_norm=false.*nothing would test the gradients"):
-            build_ds_config(run, load_profile(str(path)), 1, on_gpu=False)
-    checked = load_config(None, [f"profile={path}", "precision=bf16", "optim.gradient_clipping=0",
-                                 "bf16.check_grad_overflow=true"])
-    assert not build_ds_config(checked, load_profile(str(path)), 1, on_gpu=False)["zero_optimization"][
-        "compute_grad_norm"]
+    for precision in ("fp32", "bf16", "amp_bf16"):
+        run = load_config(None, [f"profile={path}", f"precision={precision}"])
+        plan = guard_plan(run, load_profile(str(path)))
+        assert (plan.skips, plan.clips, plan.norm) == ("rsclip", "rsclip", "rsclip")
+        ds = build_ds_config(run, load_profile(str(path)), 1, on_gpu=False)
+        assert ds["zero_optimization"]["compute_grad_norm"] is False and ds["gradient_clipping"] == 0.0
+    assert build_ds_config(load_config(None, ["profile=zero2"]), load_profile("zero2"), 1, on_gpu=False)[
+        "zero_optimization"]["compute_grad_norm"] is False   # the shipped profile: rsclip_ds computes it
+    offload = tmp_path / "offload_nonorm.json"
+    offload.write_text(json.dumps({"zero_optimization": {"stage": 2, "compute_grad_norm": False,
+                                                         "offload_optimizer": {"device": "cpu"}}}))
+    run = load_config(None, [f"profile={offload}", "precision=bf16"])
+    with pytest.raises(ConfigError, match="compute_grad_norm=false with optimizer offload"):
+        build_ds_config(run, load_profile(str(offload)), 1, on_gpu=False)
 
 
 def _poison_master(engine) -> None:

@@ -1,9 +1,9 @@
 """The step's overhead removed (issue 36, benchmarks/census.py): DeepSpeed's per-gradient overflow
 check under bf16 and overlap_comm on one rank (build_ds_config), and ZeRO-3's hooks on every
 submodule (the zero3 profiles' leaf modules: one per encoder layer and pooling head). Each
-leaves the step's math as it was (three steps on forked ranks, tiny preset: ZeRO-1/2 weights
-bit-equal to DeepSpeed's defaults, ZeRO-3 within bf16 rounding), and the non-finite guard that
-replaces the check catches a NaN gradient under a finite loss."""
+leaves the step's math as it was (three steps on forked ranks, tiny preset: ZeRO-1/2 weights equal to
+DeepSpeed's defaults to fp32 rounding of the norm, ZeRO-3 within bf16 rounding), and the non-finite guard
+that replaces the check catches a NaN gradient under a finite loss."""
 
 from __future__ import annotations
 
@@ -44,8 +44,11 @@ def test_bf16_runs_drop_the_per_gradient_check_and_one_rank_drops_overlap_comm()
     assert step_decisions(run, load_profile("zero2"), _ds("zero2", 2, "precision=bf16"), 2) == said[:2]
     fp32 = load_config(None, ["profile=zero2", "precision=fp32"])
     said = step_decisions(fp32, load_profile("zero2"), _ds("zero2", 2, "precision=fp32"), 2)
-    assert said[0].startswith("a step whose gradient norm is not finite is skipped by DeepSpeed (ZeRO-2 fp32")
+    assert said[0].startswith("a step whose gradient norm is not finite is skipped by rsclip_ds (ZeRO-2 fp32: "
+                              "rsclip_ds computes the gradient norm")
     assert said[1].startswith("clipping at 1 by rsclip_ds's step guard") and len(said) == 2
+    offload = step_decisions(fp32, load_profile("zero2_offload"), _ds("zero2_offload", 2, "precision=fp32"), 2)
+    assert offload[0].startswith("a step whose gradient norm is not finite is skipped by DeepSpeed (ZeRO-2 fp32")
 
 
 def _batches(rank: int, vocab: int):
@@ -121,7 +124,11 @@ def test_removing_the_overhead_leaves_the_step_unchanged(tmp_path, profile, worl
             assert a["losses"] == pytest.approx(b["losses"], rel=2e-3)
             assert a["digest"] == pytest.approx(b["digest"], rel=1e-2, abs=1e-2)
         else:
-            assert a["losses"] == b["losses"] and a["digest"] == b["digest"]
+            # the step guard's norm (one fp32 foreach norm) against DeepSpeed's (fp64, per tensor): the same to fp32
+            # rounding, so the clipped step moves a weight by an fp32 ulp here and there. Measured (tiny, 3 bf16
+            # steps): losses equal, weight sums within 1e-6 relative
+            assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
+            assert a["digest"] == pytest.approx(b["digest"], rel=1e-5, abs=1e-6)
         # what went: DeepSpeed's check tests each of this rank's gradient tensors with an amax and an amin
         # (ZeRO-1/2; ZeRO-3 never checks under bf16); the step's ops are otherwise the same
         checked = b["named"].get("amax", 0)
