@@ -279,8 +279,7 @@ def consolidated_state_dict(path: str | Path) -> tuple[RunConfig, dict[str, torc
     if not any((root / tag).glob("*zero_pp_rank_*")):   # stage 0: the module, whole, is the state
         with weights_only_loads():
             module = torch.load(whole, map_location="cpu")["module"]
-        # fp32 and amp train fp32 weights; bf16/fp16 at stage 0 (DeepSpeed's FP16_Optimizer) export their
-        # 16-bit weights, the fp32 masters being flat in its optimizer state
+        # stage 0 trains fp32 weights (fp32, amp_bf16, amp: profiles.build_ds_config refuses 16-bit ones there)
         return run, {k: v.float() for k, v in module.items() if v.is_floating_point()}
     with weights_only_loads():
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)

@@ -6,14 +6,13 @@ optimizer's moments, its step count and the learning-rate schedule as they were,
 skipped step (DeepSpeed's `engine.skipped_steps`). Who tests the norm depends on the optimizer
 DeepSpeed 0.19.8 builds (read from its source; every cell is run by tests/unit/test_nonfinite_steps.py):
 
-    | stage    | fp32, amp_bf16         | bf16                                           | fp16, amp   |
-    |----------|------------------------|------------------------------------------------|-------------|
-    | 0        | rsclip (no DS check)   | DeepSpeed (FP16_Optimizer: per-tensor check)   | DeepSpeed   |
-    | ZeRO-1/2 | DeepSpeed (the norm)   | rsclip; DeepSpeed with check_grad_overflow or  | DeepSpeed   |
-    |          |                        | at ZeRO-1 with fp32 accumulation (BF16_Optimizer)|           |
-    | ZeRO-3   | DeepSpeed (the norm)   | DeepSpeed (the norm)                           | DeepSpeed   |
-
-(fp16 and amp: the loss scaler, DeepSpeed's or torch's GradScaler, tests every gradient.)
+- stage 0 (`ddp`; fp32, amp_bf16, amp -- bf16 and fp16 are refused there): rsclip (DeepSpeed steps
+  torch's AdamW as it is; under amp torch's GradScaler skips on the device without telling the engine);
+- ZeRO-1/2 without offload, every precision but fp16: rsclip, with its own norm (DeepSpeed's
+  compute_grad_norm off); DeepSpeed where bf16.check_grad_overflow is on or ZeRO-1 bf16 accumulates
+  in fp32 (its BF16_Optimizer tests the norm);
+- ZeRO-1/2 with offload: rsclip under bf16, DeepSpeed (the norm) under fp32 and amp_bf16 -- rsclip clips;
+- ZeRO-3, and fp16 everywhere: DeepSpeed (the norm; fp16's loss scaler tests every gradient).
 
 DeepSpeed skips such a step by returning before its inner optimizer runs, then its engine counts
 it and leaves the schedule alone (`engine._take_model_step` reads `optimizer.overflow`). Where it
@@ -93,9 +92,7 @@ def plan_guard(precision: str, stage: int, *, check_grad_overflow: bool, grad_ac
                                              "halves its scale) and clips")
     if stage == 3:
         return GuardPlan("deepspeed", "deepspeed", "ZeRO-3 tests the step's gradient norm and skips the step")
-    if stage == 0:
-        if precision == "bf16":
-            return GuardPlan("deepspeed", "deepspeed", "stage 0 bf16: DeepSpeed's FP16_Optimizer tests every gradient")
+    if stage == 0:   # fp32, amp_bf16 (bf16 and fp16 are refused there: profiles.build_ds_config)
         return GuardPlan("rsclip", "rsclip", f"stage 0 {precision}: DeepSpeed steps torch's AdamW as it is; "
                                              f"rsclip_ds computes the norm (one foreach norm), clips and skips")
     if not offload and not check_grad_overflow and not (precision == "bf16" and stage == 1 and grad_accum == "fp32"):
@@ -165,14 +162,16 @@ class StepGuard:
                                "zero_optimization.compute_grad_norm=false")
         if norm is not self._norm:   # the first parameter group of a new step
             self._norm, self._bad, self._scale = norm, False, None
+            if self.clip > 0:
+                self._scale = self._clip_scale(norm)
             if self.skips:   # the step's one host read
                 value = float(norm)
                 self._bad = not math.isfinite(value) or value < 0   # DeepSpeed's invalid-norm rule
+                # the engine copies it for get_global_grad_norm(): a log step then reads a number, not the device
+                self.outer._global_grad_norm = self._norm = value
             if self._bad:
                 self.skipped += 1
                 self.outer.overflow = True   # what DeepSpeed's own skip sets: the engine counts it, no lr step
-            elif self.clip > 0:
-                self._scale = self._clip_scale(norm)
         groups = optimizer.param_groups
         if self._bad:
             self._hidden = [(p, p.grad) for g in groups for p in g["params"]]

@@ -447,6 +447,15 @@ def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu
                           f"has ZeRO-{profile.stage}): DeepSpeed 0.19.8's ZeRO optimizers do not scale the loss under "
                           f"fp16 autocast, and every step is skipped. Use --set profile=ddp, or precision=amp_bf16 "
                           f"(bf16 needs no scaler), or precision=fp16 (DeepSpeed's loss scaler) with ZeRO")
+    if profile.stage == 0 and run.precision in ("bf16", "fp16"):
+        # measured (benchmarks/census.py, tiny and git-rsclip-base shapes): 93 host syncs a step, and a first
+        # update 0.74x of AdamW's (its state initialisation takes a step on zero gradients)
+        raise ConfigError(f"precision={run.precision} at stage 0 ({profile.path.name}) runs DeepSpeed 0.19.8's "
+                          f"FP16_UnfusedOptimizer, which reads every gradient tensor on the host each step and starts "
+                          f"AdamW one step ahead (its first updates come out about 0.74x). Use --set "
+                          f"precision={'amp_bf16' if run.precision == 'bf16' else 'amp'} (fp32 weights under "
+                          f"autocast: the plain loop's recipe) or fp32, or a ZeRO profile (zero1, zero2) for "
+                          f"{run.precision} weights")
     sizes = derive_batch(run, world_size)
     values = _run_values(run, sizes, on_gpu, profile.offload_optimizer)
     values["data_types"] = {"grad_accum_dtype": grad_accum_dtype(run, profile)}

@@ -471,8 +471,9 @@ def _log_metrics(metrics: MetricsLog, data_wait: DataWaitWatch, engine, result: 
     if ranks:
         data_wait.update(step, ranks["data_wait"])
     window = result.losses[last_line:step]                                  # the steps since the last line
-    norm = engine.get_global_grad_norm()   # cached by the last step; no collective
-    norm = None if norm is None or not math.isfinite(float(norm)) else float(norm)   # a skipped step: its event says
+    norm = engine.get_global_grad_norm()   # cached by the last step, no collective; the step guard's: a number
+    norm = None if norm is None else float(norm)
+    norm = norm if norm is None or math.isfinite(norm) else None   # a skipped step: its event says
     metrics.train(step, {"loss": result.losses[-1], "loss_mean": sum(window) / len(window),
                          "lr": result.lrs[-1], "grad_norm": norm,
                          "samples_per_s": None if math.isnan(rate) else rate, "loss_scale": loss_scale(engine),

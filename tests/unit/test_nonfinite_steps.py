@@ -82,7 +82,10 @@ def test_who_skips_and_clips_follows_the_optimizer_deepspeed_builds():
         assert plan.norm == ("rsclip" if zero12 else "deepspeed"), (profile, sets)
     stage0 = dict(check_grad_overflow=False, grad_accum="fp32", offload=False, compute_grad_norm=True, profile="p")
     assert {plan_guard(p, 0, **stage0).skips for p in ("fp32", "amp_bf16", "amp")} == {"rsclip"}
-    assert not plan_guard("bf16", 0, **stage0).ours
+    for precision, fix in (("bf16", "amp_bf16"), ("fp16", "amp")):   # DeepSpeed's FP16_UnfusedOptimizer: refused
+        with pytest.raises(ConfigError, match=f"FP16_UnfusedOptimizer.*--set precision={fix}"):
+            build_ds_config(load_config(None, ["profile=ddp", f"precision={precision}"]), load_profile("ddp"), 2,
+                            on_gpu=False)
 
 
 def test_deepspeed_clips_only_where_it_guards():
