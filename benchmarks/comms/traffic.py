@@ -31,6 +31,17 @@ by --out; rank 0 prints the table. ~2 minutes on 2 CPU ranks of a 2-core machine
 Of the hybrid ZeRO-3 strategies only hpZ runs on CPU ranks: qwZ and qgZ quantise with DeepSpeed's
 CUDA QuantizerBuilder op, and DeepSpeed 0.19.8 removed MiCS (`mics_shard_size` is a
 DeepSpeedConfigError).
+
+--precision amp_bf16 (fp32 weights, torch.autocast): DeepSpeed's ZeRO reduces the gradients of the
+Linear/Conv parameters in bf16 and the rest in fp32 (`comm_dtype` per parameter), the model splits each
+gradient collective the same way (`comms.step_traffic(autocast=Ψ_a)`, Ψ_a counted here on the model);
+ZeRO-3 also all-gathers the Linear/Conv weights in bf16.
+The ddp profile (stage 0) reduces with rsclip_ds.gradients, through torch.distributed: DeepSpeed's comms
+logger sees none of it (its `engine` part is then 0 against 0), the torch profiler's `c10d` part all of it.
+
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module benchmarks.comms.traffic --precision amp_bf16 \
+        --profiles ddp zero1 zero2 zero3 --accumulation 1 4 --modes plain \
+        --out benchmarks/results/comms_w2_amp_bf16.json
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ from rsclip_ds.config import load_config
 from rsclip_ds.engine import engine_dtype
 from rsclip_ds.hub import ModelSource
 from rsclip_ds.model import IMAGE_MEAN, IMAGE_STD, ModelBundle, new_dual_encoder
+from rsclip_ds.planning.memory import autocast_elements
 from rsclip_ds.profiles import load_profile, runnable_profiles
 from rsclip_ds.train import optimizer_step
 from rsclip_ds.trainer import Trainer
@@ -92,8 +104,15 @@ def random_batches(micro: int, rank: int):
 
 def split_hpz(name: str) -> tuple[str, int]:
     """'zero3+hpz2' -> ('zero3', 2): a ZeRO-3 profile with zero_hpz_partition_size 2; 'zero3' -> ('zero3', 1)."""
-    base, _, hpz = name.partition("+hpz")
+    base, _, hpz = split_precision(name, "")[0].partition("+hpz")
     return base, int(hpz or 1)
+
+
+def split_precision(name: str, default: str) -> tuple[str, str]:
+    """'zero2@amp_bf16' -> ('zero2', 'amp_bf16'): a case in another precision than --precision (so that one launch
+    measures both, without another launch's start-up); 'zero2' -> ('zero2', default)."""
+    base, _, precision = name.partition("@")
+    return base, precision or default
 
 
 def run_order(names: list[str]) -> list[str]:
@@ -116,7 +135,7 @@ def logged_profile(name: str, folder: Path, bucket: int | None) -> Path:
         for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
             if key in zero:
                 zero[key] = bucket
-    path = folder / f"{name.replace('+', '_')}.json"
+    path = folder / f"{name.replace('+', '_').replace('@', '_')}.json"
     path.write_text(json.dumps(raw))
     return path
 
@@ -165,7 +184,8 @@ def run_case(name: str, k: int, mode: str, args, folder: Path) -> dict:
     import deepspeed.comm as ds_comm
 
     rank = dist.get_rank()
-    run = load_config(None, [f"profile={logged_profile(name, folder, args.bucket)}", f"precision={args.precision}",
+    precision = split_precision(name, args.precision)[1]
+    run = load_config(None, [f"profile={logged_profile(name, folder, args.bucket)}", f"precision={precision}",
                              f"batch.micro_batch_size={args.micro}", f"batch.gradient_accumulation_steps={k}",
                              f"batch.accumulation={mode}", f"steps={args.steps + 2}", "optim.warmup_steps=0",
                              f"loss.name={args.loss}", f"output_dir={folder / 'run'}", "checkpoint.at_end=false"])
@@ -176,6 +196,8 @@ def run_case(name: str, k: int, mode: str, args, folder: Path) -> dict:
     threshold = int(zero.get("stage3_param_persistence_threshold", 1e5))
     in_layers = layer_elements(model, threshold)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    low = autocast_elements(model)   # Ψ_a: the gradients on the 16-bit wire under autocast
+    low_all, low_small = (autocast_elements(model, trainable=False, at_most=n) for n in (None, threshold))
     bundle = ModelBundle(model, None, IMAGE, IMAGE_MEAN, IMAGE_STD, TOKENS, ModelSource("preset", "comms-bench"))
     with Trainer(run, model=bundle, loader=random_batches(args.micro, rank)) as trainer:
         parts = trainer.build()
@@ -197,19 +219,24 @@ def run_case(name: str, k: int, mode: str, args, folder: Path) -> dict:
     persistent = comms.persistent_elements(sizes, threshold) if prof.stage == 3 else 0
     checkpointed = in_layers if checkpointing else 0
     loss = comms.LossTraffic(args.loss, "global", args.micro, config.vision_config.hidden_size)
-    engine_traffic = comms.step_traffic(sum(sizes), trainable, stage=prof.stage, world=dist.get_world_size(),
-                                        accumulation=k, precision=args.precision, zero=zero,
-                                        persistent=persistent, accumulation_mode=mode,
-                                        checkpointed=checkpointed)
-    loss_part = comms.loss_traffic(loss, dist.get_world_size(), k, mode)
+    step = comms.step_traffic(sum(sizes), trainable, stage=prof.stage, world=dist.get_world_size(),
+                              accumulation=k, precision=precision, zero=zero, persistent=persistent,
+                              accumulation_mode=mode, checkpointed=checkpointed, autocast=low,
+                              autocast_all=low_all, autocast_persistent=low_small if prof.stage == 3 else 0)
+    # stage 0's gradients are rsclip_ds's own all-reduce (rsclip_ds.gradients): not DeepSpeed's, not logged
+    engine_traffic, ours = ([], step) if prof.stage == 0 else (step, [])
+    loss_part = ours + comms.loss_traffic(loss, dist.get_world_size(), k, mode)
     row = compare(name, prof, k, mode, engine_traffic, loss_part, logged, calls, seen, seconds, optimizer,
                   sum(sizes), trainable, persistent, args.steps)
     row["activation_checkpointing"] = checkpointing
+    row.update(precision=precision, autocast_elements=low)
     return row
 
 
 def compare(name, prof, k, mode, engine_traffic, loss_part, logged, calls, seen, seconds, optimizer,
             params, trainable, persistent, steps) -> dict:
+    """``engine_traffic``: DeepSpeed's collectives (its comms logger's); ``loss_part``: the rest the torch
+    profiler sees, the loss's and stage 0's rsclip_ds all-reduce."""
     world = dist.get_world_size()
     ops = sorted(set(logged) | set(seen) | {t.op for t in engine_traffic + loss_part})
     # measured per step, the largest rank's
@@ -243,7 +270,9 @@ def compare(name, prof, k, mode, engine_traffic, loss_part, logged, calls, seen,
     }
     for key, measured in (("engine", "logged"), ("c10d", "seen")):
         part = row[key]
-        part["ratio"] = part[measured] / part["predicted"] if part["predicted"] else float("nan")
+        # nothing predicted and nothing logged (stage 0: DeepSpeed sends none of the gradients) is a match
+        part["ratio"] = part[measured] / part["predicted"] if part["predicted"] else (
+            1.0 if part[measured] == 0 else float("nan"))
         part["pass"] = bool(abs(part["ratio"] - 1) <= TOL)
     return row
 
@@ -254,11 +283,13 @@ def parse_args(argv):
     parser = base_parser(__doc__)
     parser.add_argument("--profiles", nargs="*", default=None,
                         help="default: every ds_profiles/*.json; NAME+hpzH: a ZeRO-3 profile with hpZ over H ranks "
-                             "(e.g. zero3+hpz2 on 4 ranks: two 'nodes' of 2), run after the others")
+                             "(e.g. zero3+hpz2 on 4 ranks: two 'nodes' of 2), run after the others; NAME@PRECISION: in "
+                             "that precision instead of --precision (e.g. zero2@amp_bf16)")
     parser.add_argument("--accumulation", nargs="+", type=int, default=[1, 4], help="micro-batches per step")
     parser.add_argument("--modes", nargs="+", default=["plain", "global"], choices=("plain", "global"),
                         help="accumulation loops for accumulation > 1 (at 1 they are the same step)")
-    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "fp32", "amp_bf16"),
+                        help="amp_bf16: fp32 weights under torch.autocast, gradients on the wire per parameter")
     parser.add_argument("--loss", default="siglip", choices=("siglip", "clip"))
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=384, help="tower width (2 layers each)")

@@ -49,6 +49,9 @@ def count_params(ledger: Ledger, engine, stage: int, place: str) -> int:
     are views of it); frozen ones (locked towers, LoRA's base weights) stay whole on every rank,
     each in its own storage. ZeRO-3 partitions every module param, frozen or not (`ds_tensor`)."""
     opt = engine.optimizer
+    if stage == 0:   # no ZeRO: the module's own parameters, whole (16-bit under bf16/fp16)
+        ledger.add("params", place, list(engine.module.parameters()))
+        return 0
     if stage < 3:
         ledger.add("params", place, _flat(opt.bit16_groups_flat))
         ledger.add("params", place, [p for p in engine.module.parameters() if not p.requires_grad])
@@ -60,7 +63,9 @@ def count_params(ledger: Ledger, engine, stage: int, place: str) -> int:
 
 def count_grads(ledger: Ledger, engine, stage: int, place: str) -> None:
     opt = engine.optimizer
-    if stage < 3:
+    if stage == 0:   # the parameters' own .grad (stage 0's all-reduce keeps no buffer past the backward)
+        ledger.add("grads", place, [p.grad for p in engine.module.parameters()])
+    elif stage < 3:
         ledger.add("grads", place, [p.grad for p in engine.module.parameters()])
         ledger.add("grads", place, [getattr(opt, "grads_in_partition", None)])
         ledger.add("grads", place, _flat(list(getattr(opt, "averaged_gradients", {}).values())))
@@ -71,10 +76,17 @@ def count_grads(ledger: Ledger, engine, stage: int, place: str) -> None:
 
 
 def count_optimizer(ledger: Ledger, engine, stage: int, place: str) -> None:
+    """Masters and torch's AdamW state. Stage 0: the engine's optimizer is torch's AdamW itself (fp32,
+    amp_bf16, amp: no master) or DeepSpeed's FP16_UnfusedOptimizer around it (bf16, fp16: an fp32 copy
+    of every parameter, `fp32_groups`)."""
     opt = engine.optimizer
-    masters = opt.single_partition_of_fp32_groups if stage < 3 else opt.fp32_partitioned_groups_flat
+    if stage == 0:
+        masters = _flat(getattr(opt, "fp32_groups", []))
+    else:
+        masters = opt.single_partition_of_fp32_groups if stage < 3 else opt.fp32_partitioned_groups_flat
     ledger.add("optimizer", place, masters)
-    ledger.add("optimizer", place, _flat([dict(s) for s in opt.optimizer.state.values()]))
+    inner = getattr(opt, "optimizer", opt)
+    ledger.add("optimizer", place, _flat([dict(s) for s in inner.state.values()]))
 
 
 def count_buckets(ledger: Ledger, engine, place: str) -> None:

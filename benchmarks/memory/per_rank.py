@@ -9,6 +9,11 @@
 would (`Trainer.build` applies them: locked towers and LoRA's frozen weights get no gradients or
 optimizer states, LoRA adds its adapters' weights); the prediction is then the planner's for the
 same controls (`preset_spec(preset, run.finetune)`, its `.trainable` and `.finetune_json`).
+`--precision amp_bf16` (or `amp` with `--profiles ddp`: DeepSpeed's ZeRO refuses it) measures the autocast
+precisions: fp32 weights, and activations that include autocast's 16-bit weight copies autograd saves
+(`activations.autocast_weight_bytes`; not under ZeRO-3, whose linear saves the fp32 weight). The ddp
+profile (stage 0) counts the module's own parameters, their `.grad` and AdamW's state (with DeepSpeed's
+fp32 copies under bf16/fp16); `--num_gpus 1` measures it without the all-reduce.
 `--precision bf16 --set bf16.master_weights=bf16` measures bf16 master weights against
 `model_state_bytes(..., master="bf16")` (the offload profiles need `--set optim.impl=deepspeed` on
 CPU ranks: DeepSpeedCPUAdam, JIT-built on first use); `--set bf16.grad_accum_dtype=...` likewise.
@@ -92,11 +97,12 @@ from benchmarks.memory.counting import measured_step
 from benchmarks.memory.peak import measured_peak, resident_bytes, tune_host_allocator
 from benchmarks.results_tables.memory import memory_finetune, memory_peak
 from rsclip_ds.planning import memory
-from rsclip_ds.planning.activations import activation_bytes_per_sample
+from rsclip_ds.planning.activations import activation_bytes_per_sample, autocast_weight_bytes
 from rsclip_ds.config import load_config
 from rsclip_ds.runtime.distributed import local_world_size_from_env
 from rsclip_ds.engine import engine_dtype
 from rsclip_ds.model import preset_bundle
+from rsclip_ds.precision import PRECISIONS
 from rsclip_ds.profiles import available_profiles, runnable_profiles
 from rsclip_ds.train import train_step
 from rsclip_ds.trainer import Trainer
@@ -157,8 +163,12 @@ def run_profile(name: str, args, on_gpu: bool) -> dict:
     states = memory.model_state_bytes(spec.params, prof.stage, prof.offload_optimizer, prof.offload_param,
                                       args.precision, world, per_node, trainable=spec.trainable,
                                       master=run.bf16.master_weights)
+    zero3 = prof.stage == 3
     act_pred = sum(activation_bytes_per_sample(config, args.precision, checkpointing, spec.finetune_json,
-                                               zero3=prof.stage == 3).values()) * args.micro
+                                               zero3=zero3).values()) * args.micro
+    # under autocast the forward also saves its 16-bit weight copies (new storages, not the parameters'); ZeRO-3's
+    # linear casts them inside its own forward and saves the fp32 weight: they are cached there, not saved
+    act_pred += 0 if zero3 else autocast_weight_bytes(config, args.precision, spec.finetune_json)
     return compare(name, prof, spec, states, held, persistent, act, act_pred, act_parts,
                    statistics.median(times[1:] or times), per_node, checkpointing)
 
@@ -191,7 +201,7 @@ def run_peak(name: str, args, on_gpu: bool, accumulation: int) -> dict:
                        grad_accum=run.bf16.grad_accum_dtype, master=run.bf16.master_weights)
     predicted = pred.allocated if on_gpu else pred.host
     peak_bytes, seconds = max_over_ranks([float(measured["peak"]), measured["seconds"]])
-    return {"accumulation": accumulation, "predicted": predicted, "measured": int(peak_bytes),
+    return {"accumulation": accumulation, "world_size": world, "predicted": predicted, "measured": int(peak_bytes),
             "ratio": _ratio(peak_bytes, predicted), "reserved_measured": measured["reserved"],
             "reserved_predicted": pred.reserved if on_gpu else None, "terms": pred.to_dict(),
             "step_seconds": seconds, "pass": bool(abs(_ratio(peak_bytes, predicted) - 1) <= PEAK_TOL)}
@@ -343,7 +353,12 @@ def combine(paths: list[Path], out: Path) -> dict:
         for row in r["profiles"]:
             rows.setdefault(row["profile"], {"profile": row["profile"], "peaks": []})["peaks"] += row["peaks"]
     order = {name: i for i, name in enumerate(available_profiles())}
-    report = {**reports[0], "profiles": sorted(rows.values(), key=lambda r: order.get(r["profile"], len(order))),
+    # an environment key the launches differ on (ddp on one rank beside zero2 on two) shows each value
+    env = {key: " or ".join(dict.fromkeys(str(r["environment"].get(key)) for r in reports))
+           if len({str(r["environment"].get(key)) for r in reports}) > 1 else value
+           for key, value in reports[0]["environment"].items()}
+    report = {**reports[0], "environment": env,
+              "profiles": sorted(rows.values(), key=lambda r: order.get(r["profile"], len(order))),
               "seconds": sum(r["seconds"] for r in reports), "combined_from": [str(p) for p in paths]}
     for row in report["profiles"]:
         row["peaks"].sort(key=lambda p: p["accumulation"])
@@ -357,7 +372,8 @@ def combine(paths: list[Path], out: Path) -> dict:
 def parse_args(argv):
     parser = base_parser(__doc__)
     parser.add_argument("--preset", default="tiny", help="model preset (rsclip_ds.model.PRESETS)")
-    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                        help="the run's precision (amp only with --profiles ddp: DeepSpeed's ZeRO refuses it)")
     parser.add_argument("--micro", type=int, default=4, help="samples per rank per micro-batch")
     parser.add_argument("--steps", type=int, default=3, help="train steps before the measured one")
     parser.add_argument("--accumulation", type=int, nargs="*", default=[], metavar="K",

@@ -39,15 +39,26 @@ def _calls_changed(a: dict, b: dict) -> str:
 
 
 def comms(files: dict) -> list[str]:
-    """The default-bucket runs side by side by world size; a run with --bucket against comms_w2.json."""
-    plain = {n: rep for n, rep in files.items() if rep["config"]["bucket"] is None}
+    """The default-bucket runs in comms_w2.json's precision side by side by world size; a run in another
+    precision (comms_w2_amp_bf16.json) in its own table; a run with --bucket against comms_w2.json."""
+    main = files["comms_w2.json"]["config"]["precision"]
+    plain = {n: rep for n, rep in files.items()
+             if rep["config"]["bucket"] is None and rep["config"]["precision"] == main}
     c = next(iter(plain.values()))["config"]
     out = [f"Per optimizer step and rank (messages, DeepSpeed's comms logger); {c['precision']}, micro {c['micro']}, "
            f"width {c['hidden']} ({c['parameters']:,} parameters); tolerance {pct(c['tolerance'])}; {C10D}:", ""]
     out += comms_tables(plain)
+    for name, rep in files.items():
+        c = rep["config"]
+        if c["bucket"] is None and c["precision"] != main:
+            out += ["", f"`{name}`: {c['precision']}, micro {c['micro']}, width {c['hidden']} ({c['parameters']:,} "
+                    "parameters): the gradients of Linear/Conv parameters on the wire in bf16, the rest in fp32; "
+                    "ddp's all-reduce is rsclip_ds's (torch.distributed: the c10d column, the logger sees none of it):",
+                    ""]
+            out += comms_tables({name: rep})
     base = {(r["profile"], r["accumulation"], r["mode"]): r for r in files["comms_w2.json"]["rows"]}
     for name, rep in files.items():
-        if name in plain:
+        if rep["config"]["bucket"] is None:   # shown above
             continue
         out += [f"`{name}`: buckets of {rep['config']['bucket']:,} elements against the profiles' own "
                 "(`comms_w2.json`):", ""]

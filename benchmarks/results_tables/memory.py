@@ -44,11 +44,19 @@ def _memory_label(rep: dict) -> str:
 
 
 def memory(files: dict) -> list[str]:
+    """memory.json (every profile, fp32), then each other precision's run (memory_<precision>.json) in its own
+    table."""
     rep = files["memory.json"]
     c = rep["config"]
     out = [f"{_memory_label(rep)}; MiB per rank, predicted / measured (ratio); tolerances: states "
            f"{pct(c['model_tolerance'])}, activations {pct(c['activation_tolerance'])}; {PEAK_RSS}:", ""]
-    return out + table(MEMORY_COLUMNS, _memory_rows(rep, MiB))
+    out += table(MEMORY_COLUMNS, _memory_rows(rep, MiB))
+    for name, other in files.items():
+        if name != "memory.json":
+            out += ["", f"`{name}` ({_memory_label(other)}; activations: the towers' saved tensors and, but under "
+                    "ZeRO-3, autocast's 16-bit weight copies that autograd saves):", ""]
+            out += table(MEMORY_COLUMNS, _memory_rows(other, MiB))
+    return out
 
 
 def memory_finetune(files: dict) -> list[str]:
@@ -62,21 +70,41 @@ def memory_finetune(files: dict) -> list[str]:
     return out + table(["run", *MEMORY_COLUMNS], rows)
 
 
-def memory_peak(files: dict) -> list[str]:
-    """memory_peak_base.json (the peak/*.json launches combined): measured peak against the model's, by term."""
-    rep = files["memory_peak_base.json"]
-    c = rep["config"]
-    out = [f"{c['preset']}, {c['precision']}, micro {c['micro']}; GiB per rank; tolerance "
-           f"{pct(c['peak_tolerance'])}; the terms are the model's:", ""]
+PEAK_COLUMNS = ["profile", "k", "predicted", "measured", "ratio", "states", "forward/backward (train)", "step",
+                "host_states + host_step", "peak in"]
+
+
+def _peak_rows(rep: dict, ranks: bool = False) -> list[list]:
     rows = []
     for p in rep["profiles"]:
         for k in p["peaks"]:
             t = k["terms"]
-            rows.append([p["profile"], k["accumulation"], fix(k["predicted"] / GiB, 3), fix(k["measured"] / GiB, 3),
-                         fix(k["ratio"], 3), fix(t["states"] / GiB, 3), fix(t["train"] / GiB, 3),
-                         fix(t["step"] / GiB, 3), fix((t["host_states"] + t["host_step"]) / GiB, 3), t["phase"]])
-    return out + table(["profile", "k", "predicted", "measured", "ratio", "states", "forward/backward (train)",
-                        "step", "host_states + host_step", "peak in"], rows)
+            rows.append([p["profile"], *([k["world_size"]] if ranks else []), k["accumulation"],
+                         fix(k["predicted"] / GiB, 3), fix(k["measured"] / GiB, 3), fix(k["ratio"], 3),
+                         fix(t["states"] / GiB, 3), fix(t["train"] / GiB, 3), fix(t["step"] / GiB, 3),
+                         fix((t["host_states"] + t["host_step"]) / GiB, 3), t["phase"]])
+    return rows
+
+
+def memory_peak(files: dict) -> list[str]:
+    """memory_peak_base.json (the peak/*.json launches combined): measured peak against the model's, by term;
+    then each other combined file (memory_peak_base_<what>.json: ddp, the autocast precisions), with the
+    ranks of each row (stage 0 on one rank: no all-reduce) and autocast's weight copies."""
+    rep = files["memory_peak_base.json"]
+    c = rep["config"]
+    out = [f"{c['preset']}, {c['precision']}, micro {c['micro']}; GiB per rank; tolerance "
+           f"{pct(c['peak_tolerance'])}; the terms are the model's:", ""]
+    out += table(PEAK_COLUMNS, _peak_rows(rep))
+    for name, other in files.items():
+        if not name.startswith("memory_peak_base_"):
+            continue
+        c = other["config"]
+        weights = max((k["terms"].get("autocast_weights", 0) for p in other["profiles"] for k in p["peaks"]), default=0)
+        copies = f"; of forward/backward, autocast's 16-bit weight copies {fix(weights / GiB, 3)}" if weights else ""
+        out += ["", f"`{name}`: {c['preset']}, {c['precision']}, micro {c['micro']}; GiB per rank; tolerance "
+                    f"{pct(c['peak_tolerance'])}{copies}:", ""]
+        out += table(PEAK_COLUMNS[:1] + ["ranks"] + PEAK_COLUMNS[1:], _peak_rows(other, ranks=True))
+    return out
 
 
 def build_rss(files: dict) -> list[str]:

@@ -37,6 +37,7 @@ def parse_bytes(text: str) -> int:
 
 def register(subparsers) -> argparse.ArgumentParser:
     from rsclip_ds.model import PRESETS
+    from rsclip_ds.precision import PRECISIONS
 
     p = subparsers.add_parser(
         "plan", help="predict memory per GPU for every profile and pick one",
@@ -66,7 +67,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--gpu-mem", required=True, help="memory per GPU: 24GiB, 80GB, 24 (= GiB)")
     p.add_argument("--cpu-mem", help="memory per node (same units); not checked when omitted")
     p.add_argument("--global-batch", type=int, required=True, help="samples per optimizer step")
-    p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--precision", default="auto", choices=["auto", *PRECISIONS],
+                   help="the run's precision (docs/guides/precision.md): auto (the run config's default: amp_bf16 on "
+                        "the ddp row, bf16 under ZeRO), bf16/fp16 (16-bit weights, fp32 masters), fp32, amp_bf16/amp "
+                        "(fp32 weights, 16-bit matmuls under torch.autocast; amp with a gradient scaler, stage 0 "
+                        "only); rows a precision is refused on are shown, not recommended")
     p.add_argument("--master-weights", default="fp32", choices=["fp32", "bf16"],
                    help="the run's bf16.master_weights: bf16 keeps no fp32 master copy (10 instead of 16 bytes "
                         "per trainable parameter; --precision bf16 only; docs/guides/precision.md)")
@@ -102,7 +107,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def _overrides(row, args) -> list[str]:
-    return [f"profile={row.profile}", f"precision={args.precision}", f"model.preset={args.model}",
+    return [f"profile={row.profile}", f"precision={row.precision or args.precision}", f"model.preset={args.model}",
             f"model.activation_checkpointing={str(row.checkpointing).lower()}",
             f"batch.micro_batch_size={row.micro}", f"batch.gradient_accumulation_steps={row.accumulation}",
             f"batch.accumulation={args.accumulation}", f"loss.name={args.loss}", f"loss.negatives={args.negatives}",
@@ -151,21 +156,26 @@ def launch_command(row, args, gpus_per_node: int, nodes: int) -> str:
     return f"deepspeed {where} --module rsclip_ds train --config CONFIG {sets}"
 
 
+AUTO_TITLE = "precision auto (amp_bf16 on ddp, bf16 under ZeRO)"
+
+
 def _print_table(rows, best, args, spec, why: str, coverage: dict[int, dict] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"{spec.name} ({spec.params / 1e6:.0f}M params, {spec.trainable / 1e6:.1f}M trainable) on {args.nodes} x {args.gpus} GPUs "
-                        f"of {args.gpu_mem}, global batch {args.global_batch}, {args.precision}"
+                        f"of {args.gpu_mem}, global batch {args.global_batch}, "
+                        f"{AUTO_TITLE if args.precision == 'auto' else args.precision}"
                         f"{', bf16 masters' if args.master_weights == 'bf16' else ''}")
-    for col in ("profile", "act. ckpt", "fits", "GiB/GPU", "allocated", "peak in", "CPU GiB/node", "max micro",
+    for col in ("profile", "precision", "act. ckpt", "fits", "GiB/GPU", "allocated", "peak in", "CPU GiB/node",
+                "max micro",
                 "micro x accum", "step s", "compute s", "comm intra s", "comm inter s", "host s", "rel. speed",
                 *(["epoch coverage"] if coverage is not None else [])):
         table.add_column(col, justify="left" if col in ("profile", "peak in") else "right", no_wrap=col == "profile")
     for r in rows:
         mark = " *" if r is best else ("" if r.candidate else " (-)")
         cov = [_coverage_cell(coverage, args.micro or r.micro) if r.fits else "-"] if coverage is not None else []
-        table.add_row(r.profile + mark, "on" if r.checkpointing else "off", "yes" if r.fits else "no",
+        table.add_row(r.profile + mark, r.precision, "on" if r.checkpointing else "off", "yes" if r.fits else "no",
                       f"{r.gpu_gib:.1f}", f"{r.allocated_gib:.1f}", r.phase, f"{r.cpu_gib_node:.1f}", str(r.max_micro),
                       f"{r.micro} x {r.accumulation}" if r.fits else "-", *(
                           (f"{r.step_s:.3g}", f"{r.compute_s:.3g}", f"{r.comm_intra_s:.3g}", f"{r.comm_inter_s:.3g}",
@@ -218,14 +228,21 @@ def _run(args) -> tuple[dict | None, int]:
     from rsclip_ds.planning.memory import preset_spec, scaled_spec
     from rsclip_ds.planning.planner import Budget, Hardware, nearest_fit, plan, reason, recommend
     from rsclip_ds.planning.teacher import teacher_plan
+    from rsclip_ds.precision import compute_dtype, is_autocast
     from rsclip_ds.profiles import available_profiles
 
     run_config = _plan_config(args)
     finetune = run_config.finetune
     if args.params and args.set:
         raise ConfigError("--set finetune.* needs a --model preset (a --params model has no towers to lock)")
-    if args.master_weights != "fp32" and args.precision != "bf16":
+    if args.master_weights != "fp32" and args.precision not in ("bf16", "auto"):
         raise ConfigError(f"--master-weights {args.master_weights} applies to --precision bf16 only")
+    if args.communication_data_type != "auto" and is_autocast(args.precision):
+        # profiles.communication_dtype refuses it too: DeepSpeed never reads the key under torch.autocast
+        raise ConfigError(f"--communication-data-type {args.communication_data_type} with --precision "
+                          f"{args.precision}: under torch.autocast the wire dtype is per layer "
+                          f"({compute_dtype(args.precision)} for Linear and Conv, fp32 for the rest); use auto, or "
+                          f"--precision bf16 / fp32 for one dtype")
     spec = scaled_spec(args.params) if args.params else preset_spec(args.model, finetune)
     spec = with_patch_dropout(spec, run_config.model.patch_dropout)
     d = run_config.distill

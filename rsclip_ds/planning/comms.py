@@ -4,7 +4,22 @@ What DeepSpeed 0.19.8 sends (read in stage_1_and_2.py, stage3.py, bf16_optimizer
 with its comms logger by benchmarks/comms/traffic.py), for Ψ parameters of which Ψ_t train (locked towers
 and LoRA's frozen weights have no gradients), G ranks, k micro-batches per optimizer step, p bytes
 per 16-bit/32-bit weight and c bytes per gradient element on the wire (`communication_data_type`,
-by default the training precision):
+by default the training precision). Under the autocast precisions (amp_bf16, amp) the weights are fp32
+(p = 4) and c is per parameter (DeepSpeed's `comm_dtype`, set by its torch_autocast setup): 2 bytes for
+the Ψ_a trainable elements of Linear and Conv modules (exact classes: the attention pooling head's
+in_proj_weight and NonDynamicallyQuantizableLinear are not among them), 4 for the rest; ZeRO keeps a
+reduce bucket per wire dtype, so each gradient collective below splits into a 16-bit and an fp32 one.
+ZeRO-3 all-gathers each parameter in its comm_dtype too (`get_allgather_dtype`, partition_parameters.py;
+the gathered weight is cast back to fp32): the Ψ_A elements of all Linear/Conv parameters (frozen ones
+included) at 2 bytes, the rest at 4; ZeRO-1/2 all-gather their updated fp32 partitions at 4. Measured at
+ZeRO-1/2/3 and stage 0 with amp_bf16: benchmarks/results/comms_w2_amp_bf16.json.
+
+    stage 0 all-reduce  cΨ_t once per step, at the accumulation boundary: rsclip_ds.gradients'
+            overlapped reduction (the ddp profile; in buckets of reduce_bucket_size elements per wire
+            dtype, launched as the backward fills them), c per parameter as above under autocast, else
+            communication_data_type or the training precision. No all-gather: every rank steps the
+            whole model. One rank sends nothing. It goes through torch.distributed: DeepSpeed's comms
+            logger does not see it, the benchmark's torch profiler does (comms_w2_amp_bf16.json).
 
     ZeRO-1  all-reduce  cΨ_t once per step, at the accumulation boundary (`reduce_gradients`; the
             backward hooks reduce nothing before it: accumulation 1 and 4 send the same); then
@@ -113,6 +128,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from rsclip_ds.precision import compute_dtype, is_autocast, weight_dtype
+
 GB = 1e9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "reduce", "broadcast", "all_to_all", "send")
@@ -218,22 +235,28 @@ def loss_traffic(loss: LossTraffic, world: int, accumulation: int, mode: str = "
 def step_traffic(params: int, trainable: int | None = None, *, stage: int, world: int, accumulation: int = 1,
                  precision: str = "bf16", comm_dtype: str | None = None, zero: dict | None = None,
                  persistent: int = 0, accumulation_mode: str = "plain", checkpointed: int = 0,
-                 loss: LossTraffic | None = None, gpus_per_node: int | None = None) -> list[Traffic]:
+                 loss: LossTraffic | None = None, gpus_per_node: int | None = None, autocast: int = 0,
+                 autocast_all: int | None = None, autocast_persistent: int = 0) -> list[Traffic]:
     """Traffic of one rank per optimizer step (formulas in the module docstring).
 
-    params, trainable: Ψ and Ψ_t (None: all train); stage: ZeRO stage of the profile; zero: its
-    zero_optimization block (bucket sizes for the call counts; hpZ, qwZ, qgZ and MiCS keys);
-    comm_dtype: DeepSpeed's communication_data_type (None: the precision); persistent: Ψ_p,
-    elements ZeRO-3 keeps gathered (`persistent_elements`); accumulation_mode: the run's
-    batch.accumulation; checkpointed: elements of the non-persistent parameters inside
-    activation-checkpointed layers (the encoder layers of both towers when checkpointing is on;
-    ZeRO-3 'global' only); gpus_per_node: n (None: one node of `world`)."""
-    if stage not in (1, 2, 3):
-        raise ValueError(f"ZeRO stage {stage} is not modelled (1, 2 or 3)")
+    params, trainable: Ψ and Ψ_t (None: all train); stage: ZeRO stage of the profile (0: the ddp
+    profile, no ZeRO); zero: its zero_optimization block (bucket sizes for the call counts; hpZ, qwZ,
+    qgZ and MiCS keys); comm_dtype: DeepSpeed's communication_data_type (None: the precision; under
+    autocast it must be None: the wire dtype is per parameter); persistent: Ψ_p, elements ZeRO-3 keeps
+    gathered (`persistent_elements`); accumulation_mode: the run's batch.accumulation; checkpointed:
+    elements of the non-persistent parameters inside activation-checkpointed layers (the encoder layers
+    of both towers when checkpointing is on; ZeRO-3 'global' only); gpus_per_node: n (None: one node of
+    `world`); autocast: Ψ_a, the trainable elements whose gradients travel in 16 bits under amp_bf16 /
+    amp (memory.ModelSpec.autocast_params); autocast_all, autocast_persistent: Ψ_A, every element of the
+    Linear/Conv parameters (None: Ψ_a), and how many of them ZeRO-3 keeps gathered (ModelSpec.autocast_all,
+    .autocast_small): ZeRO-3 gathers those in 16 bits."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage {stage} is not modelled (0, 1, 2 or 3)")
     if accumulation_mode not in ("plain", "global"):
         raise ValueError(f"accumulation mode {accumulation_mode!r}: 'plain' or 'global'")
     zero, t, k = zero or {}, params if trainable is None else trainable, accumulation
-    p, c = DTYPE_BYTES[precision], DTYPE_BYTES[comm_dtype or precision]
+    p = DTYPE_BYTES[weight_dtype(precision)]
+    wire = gradient_wire(t, precision, comm_dtype, autocast)
     n = gpus_per_node or world
     hybrid = hybrid_settings(zero, n, world)
     if stage < 3 and any(hybrid.values()):
@@ -242,21 +265,51 @@ def step_traffic(params: int, trainable: int | None = None, *, stage: int, world
     if world == 1:
         return out
     reduce_bucket = zero.get("reduce_bucket_size", 5e8)
+    if stage == 0:   # rsclip_ds.gradients: once per step, no gather
+        out += [Traffic("all_reduce", "gradients" + what, c * m, _calls(m, reduce_bucket)) for what, c, m in wire]
+        return out
     if stage < 3:
         reductions = 1 if stage == 1 else k            # ZeRO-1 at the boundary only
         op = "all_reduce" if zero.get("use_multi_rank_bucket_allreduce", True) or \
             not zero.get("reduce_scatter", True) else "reduce"
-        calls = _calls(t, reduce_bucket) * (world if op == "reduce" else 1)
-        out.append(Traffic(op, "gradients", c * t * reductions, calls * reductions))
+        for what, c, m in wire:
+            calls = _calls(m, reduce_bucket) * (world if op == "reduce" else 1)
+            out.append(Traffic(op, "gradients" + what, c * m * reductions, calls * reductions))
         out.append(Traffic("all_gather", "parameters after step", p * t, 1))
         return out
-    out += _zero3_gathers(params - persistent, persistent, k, accumulation_mode, checkpointed, p, zero, hybrid)
-    out += _zero3_gradients(t, min(persistent, t), k, c, _calls(t, reduce_bucket), hybrid, n, world)
+    # bytes per gathered element: p, or under autocast the mean of the Linear/Conv ones' 16 bits and the rest's 32;
+    # the checkpointed layers' re-gathered parameters are their Linear weights (16-bit under autocast)
+    low = DTYPE_BYTES[compute_dtype(precision)]
+    big = (autocast if autocast_all is None else autocast_all) - autocast_persistent
+    w, w_p, w_ck = p, p, p
+    if is_autocast(precision):
+        w = (low * big + p * (params - persistent - big)) / max(1, params - persistent)
+        w_p, w_ck = (low * autocast_persistent + p * (persistent - autocast_persistent)) / max(1, persistent), low
+    out += _zero3_gathers(params - persistent, persistent, k, accumulation_mode, checkpointed, (w, w_p, w_ck), zero,
+                          hybrid)
+    out += _zero3_gradients(t, min(persistent, t), k, wire, reduce_bucket, hybrid, n, world)
     if persistent:
         shard = hybrid["mics"]
-        out.append(Traffic("all_gather", "persistent parameters after step", p * persistent, 1,
+        out.append(Traffic("all_gather", "persistent parameters after step", w_p * persistent, 1,
                            "node" if shard else "world", shard))
     return out
+
+
+def gradient_wire(trainable: int, precision: str, comm_dtype: str | None = None,
+                  autocast: int = 0) -> list[tuple[str, int, int]]:
+    """[(label, bytes per element, elements)] of the gradients on the wire (module docstring): one group in
+    ``comm_dtype`` or the weights' dtype, or under autocast the Linear/Conv group in the autocast dtype and
+    the rest in fp32 (an empty group left out)."""
+    if not is_autocast(precision):
+        return [("", DTYPE_BYTES[comm_dtype or precision], trainable)]
+    if comm_dtype is not None:
+        raise ValueError(f"communication_data_type {comm_dtype} with {precision}: under torch.autocast DeepSpeed "
+                         f"reduces each parameter in its own dtype (pass None)")
+    if not 0 <= autocast <= trainable:
+        raise ValueError(f"{autocast} elements on the 16-bit wire of {trainable} trainable ones")
+    low = compute_dtype(precision)
+    groups = [(f", {low} (Linear/Conv)", DTYPE_BYTES[low], autocast), (", fp32 (the rest)", 4, trainable - autocast)]
+    return [g for g in groups if g[2] > 0]
 
 
 def hybrid_settings(zero: dict, gpus_per_node: int, world: int) -> dict:
@@ -273,28 +326,30 @@ def hybrid_settings(zero: dict, gpus_per_node: int, world: int) -> dict:
     return out
 
 
-def _zero3_gathers(gathered: int, persistent: int, k: int, mode: str, checkpointed: int, p: int, zero: dict,
+def _zero3_gathers(gathered: int, persistent: int, k: int, mode: str, checkpointed: int, wire: tuple, zero: dict,
                    hybrid: dict) -> list[Traffic]:
     """ZeRO-3's parameter all-gathers per step (module docstring): (what, elements, of which the
-    step's first gather, calls), then the group and wire bytes hpZ / qwZ / MiCS give them."""
+    step's first gather, calls), then the group and wire bytes hpZ / qwZ / MiCS give them. ``wire``: bytes per
+    element of the gathered, the persistent and the checkpointed layers' parameters."""
+    p, p_persistent, p_layers = wire
     prefetch = zero.get("stage3_prefetch_bucket_size", 5e7)
     if not prefetch:   # nothing keeps a module's parameters past its forward: backward gathers them again
         passes = 3 if mode == "global" and k > 1 else 2
         gathers = [("parameters in forward and backward", gathered * passes * k, gathered,
                     _calls(gathered, 1) * passes * k)]
         if checkpointed:   # and the recomputation of every checkpointed layer once more
-            gathers.append(("recomputed layers' parameters", checkpointed * k, 0, k))
+            gathers.append(("recomputed layers' parameters", checkpointed * k, 0, k, p_layers))
     elif mode == "global" and k > 1:   # the trace never holds: see the module docstring
         gathers = [("parameters in forward/backward", gathered * 3 * k, gathered, _calls(gathered, prefetch) * 3 * k)]
         if checkpointed:
-            gathers.append(("recomputed layers' parameters", checkpointed * k // 2, 0, k))
+            gathers.append(("recomputed layers' parameters", checkpointed * k // 2, 0, k, p_layers))
         if persistent:
-            gathers.append(("persistent parameters, re-recorded trace", persistent * (k - 1), 0, k - 1))
+            gathers.append(("persistent parameters, re-recorded trace", persistent * (k - 1), 0, k - 1, p_persistent))
     else:
         gathers = [("parameters in forward", gathered * k, gathered, _calls(gathered, prefetch) * k)]
-    w = QWZ_BYTES if hybrid["qwz"] else p
     out = []
-    for what, elements, first, calls in gathers:
+    for what, elements, first, calls, *own in gathers:
+        w = QWZ_BYTES if hybrid["qwz"] else (own[0] if own else p)
         if hybrid["mics"]:
             out.append(Traffic("all_gather", what, w * elements, calls, "node", hybrid["mics"]))
         elif hybrid["hpz"]:   # the step's first gather from the primary partition, the rest from the secondary
@@ -309,10 +364,15 @@ def _zero3_gathers(gathered: int, persistent: int, k: int, mode: str, checkpoint
     return out
 
 
-def _zero3_gradients(t: int, small: int, k: int, c: int, calls: int, hybrid: dict, n: int,
-                     world: int) -> list[Traffic]:
-    """ZeRO-3's gradient reduction per step: a reduce-scatter per micro-batch; MiCS's inside the
-    shard group + the replica all-reduce at the boundary; qgZ's two int4 all-to-alls (module docstring)."""
+def _zero3_gradients(t: int, small: int, k: int, wire: list[tuple[str, int, int]], bucket: float, hybrid: dict,
+                     n: int, world: int) -> list[Traffic]:
+    """ZeRO-3's gradient reduction per step: a reduce-scatter per micro-batch (one per wire dtype); MiCS's
+    inside the shard group + the replica all-reduce at the boundary; qgZ's two int4 all-to-alls (module
+    docstring). MiCS and qgZ take the wire's mean bytes per element (DeepSpeed refuses autocast with ZeRO++'s
+    quantised weights; 0.19.8 removed MiCS)."""
+    if not (hybrid["mics"] or hybrid["qgz"]):
+        return [Traffic("reduce_scatter", "gradients" + what, c * m * k, _calls(m, bucket) * k) for what, c, m in wire]
+    c, calls = sum(c * m for _, c, m in wire) / max(1, t), _calls(t, bucket)
     if hybrid["mics"]:
         s, nodes = hybrid["mics"], world // n
         if nodes > 1 and s != n:
@@ -327,7 +387,7 @@ def _zero3_gradients(t: int, small: int, k: int, c: int, calls: int, hybrid: dic
                 Traffic("all_to_all", "gradients int4, across nodes (qgZ)", QGZ_BYTES * q / n * k, calls * k, "rail",
                         nodes),
                 Traffic("reduce_scatter", "1-D gradients (qgZ falls back)", c * small * k, k)]
-    return [Traffic("reduce_scatter", "gradients", c * t * k, calls * k)]
+    return [Traffic("reduce_scatter", "gradients", c * t * k, calls * k)]   # qgZ on one node: the plain one
 
 
 def by_collective(traffic: list[Traffic], world: int, convention: str = "ring") -> dict[str, float]:

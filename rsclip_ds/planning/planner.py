@@ -8,8 +8,14 @@ The speed score is compute (flops.py's matmul FLOPs at an assumed rate) + commun
 bytes through the link bandwidths of `Hardware`, split into time on the node's links and on the
 network, less the part `Hardware.overlap` hides behind compute) + offload traffic + what the ZeRO
 stage itself costs a rank (`stage_seconds`: ZeRO-3's hooks, measured on one H200; MEASURED_H200).
-Rows are ranked by that step time, ties to the lighter stage: ZeRO-3 and offload win only where
+Rows are ranked by that step time, ties to the lighter stage: stage 0 (the ddp profile: no ZeRO, every
+GPU holds the whole model) first, then ZeRO-1/2, ZeRO-3, offload. ddp sends the least (one all-reduce
+of the gradients, no all-gather of the updated weights) and costs a rank no ZeRO hooks or partition
+copies, so it wins wherever it fits at the micro-batch the others fit; ZeRO-3 and offload win only where
 memory needs them (ZeRO-1/2 do not fit, or only with checkpointing or accumulation that costs more).
+Rows the installed DeepSpeed would refuse for the run's settings (precision=amp under ZeRO, bf16
+master weights at stage 0, autocast with ZeRO++'s quantised weights) are shown, never recommended
+(`settings_note`).
 `reason` says why the pick won, in one line; `nearest_fit`, when nothing fits, which row came
 closest and what would make it fit.
 
@@ -34,6 +40,7 @@ from rsclip_ds.planning import comms
 from rsclip_ds.planning.memory import BYTES, GiB, ModelSpec, Peak, model_state_bytes, peak
 from rsclip_ds.planning.teacher import forward_flops, with_teacher
 from rsclip_ds.planning.teacher import traffic as teacher_traffic
+from rsclip_ds.precision import compute_dtype, is_autocast, resolve_precision
 
 # Hybrid ZeRO-3 strategies by profile name: zero_optimization keys added to zero3's block;
 # "per_node" becomes the budget's GPUs per node (hpZ's secondary group, MiCS's shard group).
@@ -75,6 +82,20 @@ def deepspeed_rejects(key: str) -> str:
         _reject_removed_config_keys({"zero_optimization": {key: 1}})
     except Exception as err:   # DeepSpeedConfigError
         return str(err)
+    return ""
+
+
+def settings_note(prof, precision: str, master: str = "fp32", grad_accum: str = "auto") -> str:
+    """'' where DeepSpeed 0.19.8 runs profile ``prof`` with the run's precision, bf16.master_weights and
+    bf16.grad_accum_dtype; else why not (profiles.build_ds_config refuses the pair, or DeepSpeed does)."""
+    zero = prof.strategy.get("zero_optimization", {})
+    if prof.stage == 0 and precision in ("bf16", "fp16"):
+        return (f"precision={precision} at stage 0 runs DeepSpeed's FP16_UnfusedOptimizer (a host sync per gradient, "
+                f"AdamW a step ahead): refused, use {'amp_bf16' if precision == 'bf16' else 'amp'}")
+    if precision == "amp" and prof.stage > 0:
+        return "precision=amp runs at stage 0 only (under ZeRO DeepSpeed skips every fp16-autocast step)"
+    if is_autocast(precision) and zero.get("zero_quantized_weights"):
+        return f"DeepSpeed refuses torch autocast ({precision}) with qwZ (zero_quantized_weights)"
     return ""
 
 
@@ -149,6 +170,12 @@ ZERO12_STEP_S = 0.0
 # Offload: no measured row; its stage's cost plus the PCIe and CPU Adam time of `step_time`.
 ZERO3_MODULE_S = 6.24e-6
 ZERO3_TOKEN_S = 3.016e-6
+# Stage 0 (ddp) over the plain loop: nothing. Its step is the plain loop's (torch's fused AdamW on the module's own
+# parameters, no ZeRO hooks, no flat partitions to copy gradients into and weights out of); its all-reduce is
+# comms.py's. It is never above ZERO12_STEP_S: a tie at equal compute and traffic goes to the lighter stage, and on
+# more than one GPU ddp sends less (no all-gather). Under bf16/fp16 DeepSpeed's FP16_UnfusedOptimizer casts each
+# gradient to fp32 and each weight back (two copies per tensor): not measured, left out.
+STAGE0_STEP_S = 0.0
 
 
 @lru_cache(maxsize=None)
@@ -171,6 +198,8 @@ def tokens_per_sample(spec: ModelSpec) -> float:
 def stage_seconds(spec: ModelSpec, stage: int, micro: int, accum: int, passes: float = 1.0) -> float:
     """What the ZeRO stage costs a rank per optimizer step beyond compute, communication and offload
     traffic (the table above); ``passes``: the compute's multiplier for extra forwards."""
+    if stage == 0:
+        return STAGE0_STEP_S
     if stage < 3:
         return ZERO12_STEP_S
     per_micro = ZERO3_MODULE_S * hooked_modules(spec) + ZERO3_TOKEN_S * micro * tokens_per_sample(spec)
@@ -217,6 +246,7 @@ class Row:
     host_s: float = 0.0           # the stage's own host and hook time (`stage_seconds`: ZeRO-3's hooks)
     over_gib: float = 0.0         # GiB over the budget at micro 1, per GPU + per node of CPU (0: it fits)
     stage: int = 0
+    precision: str = ""           # the row's precision (`auto` made concrete for its stage)
     offload: bool = False         # optimizer (or parameter) states in CPU memory
     candidate: bool = True        # may be recommended (hybrid profiles: across nodes only)
     note: str = ""
@@ -263,14 +293,16 @@ def step_time(spec: ModelSpec, prof, precision: str, checkpointing: bool, micro:
               budget: Budget, accumulation: str = "global", hw: Hardware = Hardware(), loss: str = "siglip",
               negatives: str = "global", comm: str = "auto", teacher=None) -> StepTime:
     """Seconds per optimizer step of `prof` (profiles.Profile), by part:
-      compute  `train_flops` of micro x accum samples at hw.flops (fp32 at a quarter);
+      compute  `train_flops` of micro x accum samples at hw.flops (fp32 at a quarter; the autocast
+               precisions at the full rate: their matmuls are 16-bit);
       network  comms.step_traffic (what DeepSpeed 0.19.8 sends per step, the loss's features
                included) through comms.comm_time (intra-node bytes at hw.intra_bw, inter-node at
                hw.inter_bw; a hierarchical collective takes the slower level); hw.overlap of
                min(compute, network) is hidden;
       PCIe     optimizer offload: g Ψ/G per micro-batch out, p Ψ/G per step in; parameter
                offload 2p Ψ/G more per micro-batch; CPU Adam on the node's n Ψ/G parameters;
-      host     `stage_seconds`: ZeRO-3's hooks, measured on one H200 (none hidden by overlap).
+      host     `stage_seconds`: ZeRO-3's hooks, measured on one H200 (none hidden by overlap); stage 0
+               and ZeRO-1/2: 0 (STAGE0_STEP_S, ZERO12_STEP_S).
     ``teacher`` (planning.teacher.TeacherPlan): its forward per sample joins the compute, its
     weights' all-gathers (zero3 placement) the network."""
     from rsclip_ds.profiles import wire_dtype   # the run's distributed.communication_data_type, resolved
@@ -279,13 +311,15 @@ def step_time(spec: ModelSpec, prof, precision: str, checkpointing: bool, micro:
     psi, G, t, stage = spec.params, budget.gpus, spec.trainable, prof.stage
     cached = accumulation == "global" and accum > 1
     flops = train_flops(spec, micro * accum, checkpointing, cached)
-    compute = flops / (hw.flops / (4 if precision == "fp32" else 1))
+    compute = flops / (hw.flops / (4 if compute_dtype(precision) == "fp32" else 1))   # amp: 16-bit matmuls
     host = stage_seconds(spec, stage, micro, accum, 1 + 2 / 6 * checkpointing + 2 / 6 * cached)
     if teacher is not None:
         compute += forward_flops(teacher) * micro * accum / (hw.flops / (4 if teacher.dtype == "fp32" else 1))
     traffic = comms.step_traffic(
-        psi, t, stage=stage, world=G, accumulation=accum, precision=precision,
-        comm_dtype=wire_dtype(comm, prof), zero=prof.strategy.get("zero_optimization", {}),
+        psi, t, stage=stage, world=G, accumulation=accum, precision=precision, autocast=spec.autocast_params,
+        autocast_all=spec.autocast_all, autocast_persistent=spec.autocast_small if stage == 3 else 0,
+        comm_dtype=None if is_autocast(precision) else wire_dtype(comm, prof),   # autocast: per parameter
+        zero=prof.strategy.get("zero_optimization", {}),
         persistent=spec.small_params if stage == 3 else 0, accumulation_mode=accumulation,
         checkpointed=spec.layer_params if checkpointing and stage == 3 else 0,
         loss=comms.LossTraffic(loss, negatives, micro, spec.embed_dim), gpus_per_node=budget.gpus_per_node)
@@ -303,7 +337,7 @@ def step_seconds(*args, **kwargs) -> float:
     return step_time(*args, **kwargs).total
 
 
-def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "bf16",
+def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "auto",
          profiles: list[str] | None = None, loss: str = "siglip", negatives: str = "global",
          accumulation: str = "global", hw: Hardware = Hardware(), grad_accum: str = "auto",
          master: str = "fp32", comm: str = "auto", teacher=None) -> list[Row]:
@@ -313,7 +347,9 @@ def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "b
     ``grad_accum``: the run's bf16.grad_accum_dtype (auto: the profile's measured choice); ``master``:
     its bf16.master_weights; ``comm``: its distributed.communication_data_type (the gradient bytes on
     the wire); ``teacher``: a distillation teacher's planning.teacher.TeacherPlan (its weights,
-    inputs, forward and FLOPs)."""
+    inputs, forward and FLOPs). A row whose profile DeepSpeed would refuse with these settings
+    (`settings_note`) is not a candidate; it is modelled with the settings its stage allows (stage 0:
+    fp32 masters, bf16 accumulation)."""
     from rsclip_ds.profiles import available_profiles, load_profile
 
     if global_batch % budget.gpus:
@@ -329,33 +365,44 @@ def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "b
             candidate, note, row_comm = False, f"qgZ reduces in fp16 only, not {comm}", "fp16"
         else:
             row_comm = comm
+        # precision=auto per row, as the Trainer resolves it (profiles.resolve_run_precision): amp_bf16 at stage
+        # 0, bf16 under ZeRO -- bf16 wherever a bf16.* setting asks for it
+        bf16_asked = master != "fp32" or grad_accum != "auto"
+        row_precision = ("bf16" if bf16_asked else resolve_precision("auto", prof.stage)[0]) \
+            if precision == "auto" else precision
+        refused = settings_note(prof, row_precision, master, grad_accum)
+        if is_autocast(row_precision) and comm != "auto":
+            refused = "; ".join(n for n in (refused, f"communication_data_type={comm} is refused under autocast") if n)
+        if refused:
+            candidate, note = False, "; ".join(n for n in (note, refused) if n)
+        row_master, row_accum = ("fp32", "auto") if prof.stage == 0 else (master, grad_accum)
         zero = prof.strategy.get("zero_optimization", {})
-        cpu_node = model_state_bytes(spec.params, prof.stage, prof.offload_optimizer, prof.offload_param, precision,
-                                     budget.gpus, budget.gpus_per_node, trainable=spec.trainable, master=master,
+        cpu_node = model_state_bytes(spec.params, prof.stage, prof.offload_optimizer, prof.offload_param, row_precision,
+                                     budget.gpus, budget.gpus_per_node, trainable=spec.trainable, master=row_master,
                                      hpz=int(zero.get("zero_hpz_partition_size", 1) or 1),
                                      shard=max(0, int(zero.get("mics_shard_size", -1) or -1))).cpu_node
         cpu_over = max(0, cpu_node - budget.cpu_bytes) if budget.cpu_bytes is not None else 0
         for ac in (False, True):
             def at(m: int) -> Peak:   # micro m, as many micro-batches as the per-rank batch needs
                 accum_m = math.ceil(per_rank / m)
-                return with_teacher(peak(spec, prof, precision, budget.gpus, budget.gpus_per_node, micro=m,
+                return with_teacher(peak(spec, prof, row_precision, budget.gpus, budget.gpus_per_node, micro=m,
                                          accumulation_steps=accum_m, checkpointing=ac, loss=loss,
-                                         negatives=negatives, accumulation=accumulation, grad_accum=grad_accum,
-                                         master=master), teacher, budget.gpus, m, accum_m, accumulation)
+                                         negatives=negatives, accumulation=accumulation, grad_accum=row_accum,
+                                         master=row_master), teacher, budget.gpus, m, accum_m, accumulation)
             lo, hi = 0, per_rank                      # largest m whose peak fits (monotonic in m)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if at(mid).reserved <= budget.gpu_bytes else (lo, mid - 1)
             micro, accum = accumulation_for(per_rank, lo) if lo else (0, 0)
             used = at(max(micro, 1))
-            st = step_time(spec, prof, precision, ac, max(micro, 1), accum or per_rank, budget, accumulation, hw,
+            st = step_time(spec, prof, row_precision, ac, max(micro, 1), accum or per_rank, budget, accumulation, hw,
                            loss, negatives, row_comm, teacher)
             over = max(0, used.reserved - budget.gpu_bytes) + cpu_over
             rows.append(Row(name, ac, bool(lo) and not cpu_over, lo, micro, accum, round(used.reserved / GiB, 2),
                             round(used.allocated / GiB, 2), used.phase, round(cpu_node / GiB, 2), st.total,
                             compute_s=st.compute, comm_intra_s=st.comm.intra_s, comm_inter_s=st.comm.inter_s,
                             comm_s=st.comm.total_s, offload_s=st.offload, host_s=st.host,
-                            over_gib=round(over / GiB, 2), stage=prof.stage,
+                            over_gib=round(over / GiB, 2), stage=prof.stage, precision=row_precision,
                             offload=prof.offload_optimizer or prof.offload_param, candidate=candidate, note=note))
     best = min((r.step_s for r in rows if r.fits and r.candidate), default=0.0)
     rows = [replace(r, relative_speed=round(best / r.step_s, 3) if r.fits and r.step_s else 0.0) for r in rows]
@@ -363,8 +410,9 @@ def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "b
 
 
 def lightness(row: Row) -> int:
-    """0: ZeRO-1/2, 1: ZeRO-3 (the hybrids too), 2: offload -- the order in which stages add work."""
-    return 2 if row.offload else int(row.stage == 3)
+    """0: stage 0 (ddp), 1: ZeRO-1/2, 2: ZeRO-3 (the hybrids too), 3: offload -- the order in which stages
+    add work."""
+    return 3 if row.offload else {0: 0, 1: 1, 2: 1, 3: 2}[row.stage]
 
 
 def recommend(rows: list[Row]) -> Row | None:
@@ -410,15 +458,26 @@ def reason(best: Row, rows: list[Row], budget: Budget) -> str:
         r = min(lighter, key=lambda r: r.step_s)
         return (f"{best.profile}: the fastest that {fits}; {r.profile} fits too ({_setting(r)}) but would be "
                 f"{r.step_s / best.step_s:.2f}x slower per step ({_cause(r, best)})")
-    parts = [f"{best.profile}: the lightest stage that {fits}"]
+    plain = " (stage 0: plain data parallel, every GPU holds the whole model)" if best.stage == 0 else ""
+    parts = [f"{best.profile}: the lightest stage that {fits}{plain}"]
     unfit = [r for r in rows if r.candidate and not r.fits and lightness(r) < lightness(best)]
     if unfit:
         r = min(unfit, key=lambda r: r.over_gib)
         parts.append(f"{r.profile} does not fit ({r.over_gib:.1f} GiB over {_setting(r)})")
     heavier = [r for r in fitting if lightness(r) > lightness(best)]
-    if heavier:   # the fastest of the next heavier stage that fits (ZeRO-3 after ZeRO-1/2)
-        r = min(heavier, key=lambda r: (lightness(r), r.step_s))
-        parts.append(f"{r.profile} would be {r.step_s / best.step_s:.2f}x slower per step ({_cause(r, best)})")
+    # the fastest of each heavier stage in turn (ZeRO-1/2 after ddp, ZeRO-3 after ZeRO-1/2), up to the first one
+    # at least 1% slower: on one GPU ddp and ZeRO-1 model the same step (recommend's tie), on several ZeRO-1 sends
+    # the updated weights once more (a fraction of a percent of a step inside an NVLink node)
+    for level in sorted({lightness(r) for r in heavier}):
+        r = min((r for r in heavier if lightness(r) == level), key=lambda r: r.step_s)
+        ratio = r.step_s / best.step_s
+        if round(r.step_s, 6) == round(best.step_s, 6):
+            parts.append(f"{r.profile} fits too, no faster (a tie goes to the lighter stage)")
+        elif ratio < 1.01:
+            parts.append(f"{r.profile} would be {ratio:.3f}x slower per step ({_cause(r, best)})")
+        else:
+            parts.append(f"{r.profile} would be {ratio:.2f}x slower per step ({_cause(r, best)})")
+            break
     return "; ".join(parts)
 
 

@@ -292,13 +292,16 @@ def param_counts(model) -> tuple[int, int]:
 def checkpoint_bytes(params: int, trainable: int, precision: str, master: str = "fp32", stage: int = 2) -> int:
     """Bytes of one checkpoint, every rank's files together, from the memory model's bytes per
     parameter (planning.memory.state_bytes: p for the weights, k for the optimizer's fp32 master
-    and Adam moments): ZeRO-0/1/2 write the module once (p per parameter, DeepSpeed's model-state
+    and Adam moments): stages 0/1/2 write the module once (p per parameter, DeepSpeed's model-state
     file), ZeRO-2/3 the frozen parameters again as p-byte fragments, every stage the optimizer
-    state of the trainable ones (k each, split over the ranks). The small files (hf/, each rank's
-    RNG file, the history, DeepSpeed's bookkeeping) are left out: tens of KB to a few MB."""
+    state of the trainable ones (k each, split over the ranks under ZeRO). Stage 0 (the ddp profile)
+    writes it once, into rank 0's model-state file: torch's AdamW m and v (k = 8: fp32, amp_bf16, amp,
+    no master copy), or DeepSpeed's FP16_UnfusedOptimizer state with its fp32 copy of the weights (k = 12:
+    bf16, fp16). The small files (hf/, each rank's RNG file, the history, DeepSpeed's bookkeeping) are
+    left out: tens of KB to a few MB."""
     from rsclip_ds.planning.memory import state_bytes
 
-    p, _, k = state_bytes(precision, master)
+    p, _, k = state_bytes(precision, master, stage)
     weights = p * params if stage < 3 else 0
     fragments = p * (params - trainable) if stage >= 2 else 0
     return weights + fragments + k * trainable

@@ -15,7 +15,13 @@ bf16 element, an all-gather's own shard S/2 on 2 ranks):
           micro-batch under 'global' accumulation at k > 1; + 2Ψ_p/2 per micro-batch (ZeRO-3
           re-records its trace)
 and the SigLIP ring loss's fp32 text features: 2 sends forward + 2 back of (k x micro, D) per
-step on 2 ranks, seen by the torch profiler. hpZ on 4 ranks is the committed
+step on 2 ranks, seen by the torch profiler. The same launch runs ZeRO-2 and ddp under amp_bf16
+(`NAME@PRECISION`: two more engine builds, no second start-up), where Ψ_a of the Ψ elements (the Linear
+and Conv parameters, counted here) travel in bf16 and the rest in fp32:
+  ZeRO-2  all-reduce (2Ψ_a + 4(Ψ - Ψ_a)) per micro-batch (DeepSpeed's bucket per wire dtype) + all-gather of
+          the fp32 partitions 4Ψ/2
+  ddp     rsclip_ds's all-reduce of the same bytes once per step, through torch.distributed: DeepSpeed's
+          logger sees nothing, the profiler all of it. hpZ on 4 ranks is the committed
 benchmarks/results/comms_w4_hpz.json (4 ranks on a CPU test machine cost more than its finding);
 tests/integration/test_hybrid_sharding.py checks zero3_hpz against zero3.
 """
@@ -29,27 +35,42 @@ from tests.integration.benchmark_helpers import run_benchmark
 pytestmark = pytest.mark.slow
 W, MICRO, HIDDEN, K = 2, 2, 256, 2
 PROFILES = ("zero1", "zero2", "zero3")
+AMP = ("zero2@amp_bf16", "ddp@amp_bf16")
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("bench_comms")
-    return run_benchmark("comms.traffic", "--profiles", *PROFILES, "--accumulation", str(K), "--modes", "global",
+    return run_benchmark("comms.traffic", "--profiles", *PROFILES, *AMP, "--accumulation", str(K), "--modes", "global",
                          "--hidden", str(HIDDEN), "--micro", str(MICRO), "--steps", "1", out=tmp / "comms.json",
                          ranks=W, timeout=300)
 
 
-@pytest.fixture(scope="module")
-def counts() -> tuple[int, int]:
-    """(Ψ, Ψ_p) of the benchmark's model shape, built here."""
+def _model():
     from transformers import SiglipConfig, SiglipModel
 
     shape = dict(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=2, num_attention_heads=4)
     config = SiglipConfig(text_config={**shape, "max_position_embeddings": 16, "vocab_size": 1000,
                                        "pad_token_id": 1, "bos_token_id": None, "eos_token_id": 1},
                           vision_config={**shape, "image_size": 32, "patch_size": 8})
-    sizes = [p.numel() for p in SiglipModel(config).parameters()]
+    return SiglipModel(config)
+
+
+@pytest.fixture(scope="module")
+def counts() -> tuple[int, int]:
+    """(Ψ, Ψ_p) of the benchmark's model shape, built here."""
+    sizes = [p.numel() for p in _model().parameters()]
     return sum(sizes), sum(n for n in sizes if n <= 100_000)
+
+
+@pytest.fixture(scope="module")
+def low() -> int:
+    """Ψ_a: elements of the parameters of exactly torch.nn.Linear and Conv2d modules (DeepSpeed's match: the
+    pooling head's NonDynamicallyQuantizableLinear is not one), counted here."""
+    import torch
+
+    return sum(p.numel() for m in _model().modules() if type(m) in (torch.nn.Linear, torch.nn.Conv2d)
+               for p in m.parameters(recurse=False))
 
 
 def _row(report, profile):
@@ -67,7 +88,8 @@ def expected(profile: str, k: int, psi: int, persistent: int) -> float:
 
 def test_ran_every_case_on_two_ranks_with_the_counted_model(report, counts):
     assert report["environment"]["world_size"] == W
-    assert [(r["profile"], r["accumulation"], r["mode"]) for r in report["rows"]] == [(p, K, "global") for p in PROFILES]
+    assert [(r["profile"], r["accumulation"], r["mode"]) for r in report["rows"]] == [(p, K, "global")
+                                                                                      for p in PROFILES + AMP]
     psi, persistent = counts
     for r in report["rows"]:
         assert (r["parameters"], r["trainable"]) == (psi, psi)
@@ -100,3 +122,17 @@ def test_gloo_runs_zero3_reduce_scatter_as_an_all_reduce(report):
 def test_the_loss_sends_its_features_round_the_ring(report, profile):
     """4 fp32 blocks of (k x micro, D) per step on 2 ranks: forward and backward, both neighbours."""
     assert _row(report, profile)["c10d"]["by_op"]["send"]["seen"] == 4 * K * MICRO * HIDDEN * 4
+
+
+def test_amp_bf16_sends_linear_and_conv_gradients_in_bf16(report, counts, low):
+    """ZeRO-2 (DeepSpeed's reduction, logged) and ddp (rsclip_ds's, seen by the profiler only) under amp_bf16."""
+    psi, _ = counts
+    wire = 2 * low + 4 * (psi - low)
+    assert 0.8 < low / psi < 1   # most of the model is Linear weights
+    z2, ddp = (_row(report, name) for name in AMP)
+    assert z2["autocast_elements"] == ddp["autocast_elements"] == low
+    assert z2["engine"]["logged"] == pytest.approx(K * wire + 4 * psi / W, rel=1e-5), z2["engine"]["by_op"]
+    assert ddp["engine"]["logged"] == 0
+    loss = 4 * K * MICRO * HIDDEN * 4
+    assert ddp["c10d"]["seen"] == pytest.approx(wire + loss, rel=1e-3), ddp["c10d"]["by_op"]
+    assert z2["engine"]["pass"] and z2["c10d"]["pass"] and ddp["c10d"]["pass"]

@@ -168,8 +168,9 @@ def test_80gb_model_needs_offload_on_one_gpu_and_on_4_x_24gb():
 
 def test_git_rsclip_large_on_4_x_24gb():
     rows = plan(preset_spec("git-rsclip-large"), Budget(4, 1, 24 * GiB), 4096)
-    # 5 profiles + 3 hybrid ones, each with and without checkpointing; one node: no hybrid is a candidate
-    assert len(rows) == 16 and all(r.fits for r in rows if r.profile != "zero3_hpz")
+    # 6 profiles (ddp and the ZeRO ones) + 3 hybrid ones, each with and without checkpointing; one node: no hybrid
+    # is a candidate
+    assert len(rows) == 18 and all(r.fits for r in rows if r.profile != "zero3_hpz")
     assert {r.profile for r in rows if not r.candidate} == {"zero3_hpz", "zero3_zeropp", "zero3_mics"}
     best = recommend(rows)
     assert best.relative_speed == 1.0 and best.gpu_gib <= 24
@@ -202,7 +203,7 @@ def test_plan_json_and_written_config(tmp_path, capsys):
     best = result["recommended"]
     assert set(best) >= {"profile", "checkpointing", "fits", "gpu_gib", "cpu_gib_node", "max_micro", "micro",
                          "accumulation", "relative_speed"}
-    assert len(result["rows"]) == 16 and f"--set batch.micro_batch_size={best['micro']}" in result["command"]
+    assert len(result["rows"]) == 18 and f"--set batch.micro_batch_size={best['micro']}" in result["command"]
     ds = json.loads(out.read_text())
     assert ds["train_batch_size"] == 512 and ds["train_micro_batch_size_per_gpu"] == best["micro"]
     assert ds["zero_optimization"]["stage"] == int(best["profile"][4])

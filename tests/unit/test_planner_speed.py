@@ -1,6 +1,7 @@
 """The planner's speed model ranks by what a step costs on a GPU (issue 36): each ZeRO stage's own
 host and hook time (planner.MEASURED_H200, one H200), the lightest stage that fits, the reason
-line, and the nearest fit with exit code 3 when nothing fits.
+line, and the nearest fit with exit code 3 when nothing fits; the ddp profile (stage 0) and the autocast
+precisions (issue 44).
 
     python -m pytest -q tests/unit/test_planner_speed.py      # ~20 s on 2 CPU cores
 """
@@ -14,9 +15,9 @@ import pytest
 from rsclip_ds.cli import main
 from rsclip_ds.cli.plan import EXIT_NOTHING_FITS
 from rsclip_ds.planning.memory import GiB, preset_spec
-from rsclip_ds.planning.planner import (MEASURED_H200, ZERO3_MODULE_S, ZERO3_TOKEN_S, ZERO12_STEP_S, Budget,
-                                        fit_zero3_costs, hooked_modules, nearest_fit, plan, reason, recommend,
-                                        step_time, tokens_per_sample)
+from rsclip_ds.planning.planner import (MEASURED_H200, STAGE0_STEP_S, ZERO3_MODULE_S, ZERO3_TOKEN_S, ZERO12_STEP_S,
+                                        Budget, fit_zero3_costs, hooked_modules, nearest_fit, plan, reason, recommend,
+                                        stage_seconds, step_time, tokens_per_sample)
 from rsclip_ds.profiles import load_profile
 
 GB = 10**9
@@ -89,14 +90,21 @@ def _picked(spec, budget, global_batch):
     return rows, best, reason(best, rows, budget)
 
 
-def test_git_rsclip_base_on_one_h200_takes_zero1_at_micro_1024(base):
+def test_git_rsclip_base_on_one_h200_takes_ddp_at_micro_1024(base):
     """One 141 GB GPU, global 1024: the benchmark's micro 256 used 22 GB, so all 1024 fit in one
-    micro-batch without checkpointing; ZeRO-3 fits too and loses by its hooks."""
+    micro-batch without checkpointing; ZeRO-3 fits too and loses by its hooks. The pick was zero1 before the
+    ddp profile. precision auto: ddp runs amp_bf16 (109.31 GiB: fp32 weights and the 16-bit copies autocast
+    keeps), zero1 bf16 (86.87 GiB); both model the same step (1.427 s: no communication, no host cost), and the
+    tie goes to the lighter stage."""
     rows, best, why = _picked(base, Budget(1, 1, 141 * GB), 1024)
-    assert (best.profile, best.checkpointing, best.micro, best.accumulation) == ("zero1", False, 1024, 1)
-    assert best.gpu_gib < 141 * GB / GiB and best.host_s == 0.0
-    assert why == ("zero1: the lightest stage that fits 1 x 141 GB at micro 1024; zero3 would be 1.56x slower "
-                   "per step (ZeRO-3 hooks)")
+    assert (best.profile, best.precision, best.checkpointing, best.micro, best.accumulation) == (
+        "ddp", "amp_bf16", False, 1024, 1)
+    assert best.gpu_gib < 141 * GB / GiB and best.host_s == 0.0 and best.stage == 0
+    by = {(r.profile, r.checkpointing): r for r in rows}
+    assert by[("zero1", False)].step_s == best.step_s and by[("zero1", False)].precision == "bf16"
+    assert why == ("ddp: the lightest stage that fits 1 x 141 GB at micro 1024 (stage 0: plain data parallel, every "
+                   "GPU holds the whole model); zero1 fits too, no faster (a tie goes to the lighter stage); zero3 "
+                   "would be 1.56x slower per step (ZeRO-3 hooks)")
 
 
 def test_git_rsclip_large_on_one_h200(large):
@@ -106,9 +114,12 @@ def test_git_rsclip_large_on_one_h200(large):
     rows, best, why = _picked(large, Budget(1, 1, 141 * GB), 1024)
     by = {(r.profile, r.checkpointing): r for r in rows}
     assert (by[("zero1", False)].micro, by[("zero1", False)].accumulation) == (256, 4)
-    assert (best.profile, best.checkpointing, best.micro) == ("zero1", True, 1024)
-    assert why == ("zero1: the lightest stage that fits 1 x 141 GB at micro 1024 with activation checkpointing; "
-                   "zero3 would be 1.16x slower per step (ZeRO-3 hooks)")
+    # zero1 before the ddp profile; on one GPU ddp (amp_bf16, 61.91 GiB) ties with it (bf16, 38.85 GiB): 8.258 s
+    assert (best.profile, best.checkpointing, best.micro) == ("ddp", True, 1024)
+    assert (by[("ddp", False)].micro, by[("ddp", False)].accumulation) == (256, 4)
+    assert why == ("ddp: the lightest stage that fits 1 x 141 GB at micro 1024 with activation checkpointing (stage 0: "
+                   "plain data parallel, every GPU holds the whole model); zero1 fits too, no faster (a tie goes to "
+                   "the lighter stage); zero3 would be 1.16x slower per step (ZeRO-3 hooks)")
 
 
 def test_the_readme_fine_tune_on_4_x_24gb_is_not_zero3(large):
@@ -119,18 +130,31 @@ def test_the_readme_fine_tune_on_4_x_24gb_is_not_zero3(large):
     by = {(r.profile, r.checkpointing): r for r in rows}
     z3 = by[("zero3", False)]
     assert z3.fits and z3.micro == 64 and z3.step_s > 1.1 * best.step_s
-    communication_only = min((r for r in rows if r.fits and r.candidate), key=lambda r: r.step_s - r.host_s)
+    communication_only = min((r for r in rows if r.fits and r.candidate and r.stage > 0),
+                             key=lambda r: r.step_s - r.host_s)
     assert communication_only.profile == "zero3"   # what `rsclip-ds plan` recommended before issue 36
-    assert why == ("zero1: the lightest stage that fits 4 x 24 GB at micro 64; zero3 would be 1.16x slower per step "
-                   "(ZeRO-3 hooks)")
-    assert f"{z3.step_s / best.step_s:.2f}x" in why
+    # ddp (amp_bf16) holds 16 bytes a parameter (10.4 GB) and fits micro 31 at most without checkpointing, so 16 x 4
+    # under 'global' accumulation, whose cached forward costs 1.32x zero1's step at micro 64 (the reason names ddp
+    # since it joined the rows; before, zero3 at 1.16x)
+    ddp = by[("ddp", False)]
+    assert (ddp.precision, ddp.max_micro, ddp.micro, ddp.accumulation) == ("amp_bf16", 31, 16, 4)
+    assert why == ("zero1: the fastest that fits 4 x 24 GB at micro 64; ddp fits too (at micro 16 (x 4 accumulation)) "
+                   "but would be 1.32x slower per step (the cached forward of 'global' accumulation)")
+    assert f"{z3.step_s / best.step_s:.2f}x" == "1.16x"
 
 
 def test_git_rsclip_large_on_8_x_80gb(large):
+    """zero1 before the ddp profile: ddp (amp_bf16) fits the same micro 512 with checkpointing (36.97 GiB) and sends
+    one all-reduce of the gradients, Linear ones in bf16, the rest fp32 (6.8 ms at NVLink 4) where zero1 (bf16)
+    adds the all-gather of the updated weights (9.6 ms): 4.1360 s against 4.1388 s a step."""
     rows, best, why = _picked(large, Budget(8, 1, 80 * GB), 4096)
-    assert (best.profile, best.checkpointing, best.micro, best.accumulation) == ("zero1", True, 512, 1)
-    assert why == ("zero1: the lightest stage that fits 8 x 80 GB at micro 512 with activation checkpointing; "
-                   "zero3 would be 1.16x slower per step (ZeRO-3 hooks)")
+    assert (best.profile, best.precision, best.checkpointing, best.micro, best.accumulation) == (
+        "ddp", "amp_bf16", True, 512, 1)
+    by = {(r.profile, r.checkpointing): r for r in rows}
+    assert by[("zero1", True)].comm_s == pytest.approx(1.41 * best.comm_s, rel=0.01)
+    assert why == ("ddp: the lightest stage that fits 8 x 80 GB at micro 512 with activation checkpointing (stage 0: "
+                   "plain data parallel, every GPU holds the whole model); zero1 would be 1.001x slower per step "
+                   "(communication); zero3 would be 1.16x slower per step (ZeRO-3 hooks)")
 
 
 def test_zero3_is_picked_when_memory_needs_it():
@@ -184,3 +208,70 @@ def test_nearest_fit_on_the_gpu_names_more_gpus_and_offload(large):
     assert recommend(plan(large, Budget(2, 1, 8 * GB), 64, **kw)) is None
     assert ("To fit: GPUs of 13.5 GiB or more; or 4 GPUs of 8 GB in one node (zero1 at micro 16 with activation "
             "checkpointing); or an offload profile (zero2_offload, zero3_offload)") in near.text
+
+
+# --------------------------------------------------------------------------- ddp and the autocast precisions
+
+def test_git_rsclip_base_on_one_24gb_gpu_takes_ddp(base):
+    """1 x 24 GB, global 256: ddp's 16 bytes a parameter are 3.25 GB; micro 256 fits with checkpointing (9.36 GiB
+    under amp_bf16) and 128 x 2 without, at the same modelled step (the recomputed forward against 'global' accumulation's cached
+    one): the smaller footprint; zero1 ties and is heavier."""
+    rows, best, why = _picked(base, Budget(1, 1, 24 * GB), 256)
+    assert (best.profile, best.precision, best.checkpointing, best.micro, best.accumulation, best.gpu_gib) == (
+        "ddp", "amp_bf16", True, 256, 1, 9.36)
+    # no ZeRO hooks, no partition copies: the lowest host cost of all stages
+    assert stage_seconds(base, 0, 256, 1) == STAGE0_STEP_S <= ZERO12_STEP_S == stage_seconds(base, 1, 256, 1)
+    assert why == ("ddp: the lightest stage that fits 1 x 24 GB at micro 256 with activation checkpointing (stage 0: "
+                   "plain data parallel, every GPU holds the whole model); zero1 fits too, no faster (a tie goes to "
+                   "the lighter stage); zero3 would be 1.57x slower per step (ZeRO-3 hooks)")
+
+
+@pytest.mark.parametrize("preset, budget, global_batch, pick, why", [
+    ("git-rsclip-large", Budget(1, 1, 141 * GB), 1024, ("ddp", True, 1024, 1, 61.91),
+     "ddp: the lightest stage that fits 1 x 141 GB at micro 1024 with activation checkpointing (stage 0: plain data "
+     "parallel, every GPU holds the whole model); zero1 fits too, no faster (a tie goes to the lighter stage); zero3 "
+     "would be 1.16x slower per step (ZeRO-3 hooks)"),
+    ("git-rsclip-large", Budget(8, 1, 80 * GB), 4096, ("ddp", True, 512, 1, 36.97),
+     "ddp: the lightest stage that fits 8 x 80 GB at micro 512 with activation checkpointing (stage 0: plain data "
+     "parallel, every GPU holds the whole model); zero1 would be 1.002x slower per step (communication); zero3 would "
+     "be 1.16x slower per step (ZeRO-3 hooks)"),
+    # the README's fine-tune: under bf16 zero1 at micro 64 without checkpointing wins; amp_bf16's larger activations
+    # (fp32 residual stream, a bf16 copy per q, k, v) and weight copies leave ZeRO-1 32 at most without it, and with
+    # checkpointing everywhere ddp sends the least
+    ("git-rsclip-large", Budget(4, 1, 24 * GB), 256, ("ddp", True, 64, 1, 15.1),
+     "ddp: the lightest stage that fits 4 x 24 GB at micro 64 with activation checkpointing (stage 0: plain data "
+     "parallel, every GPU holds the whole model); zero1 would be 1.01x slower per step (communication)"),
+    ("git-rsclip-base", Budget(1, 1, 24 * GB), 256, ("ddp", True, 256, 1, 9.36),
+     "ddp: the lightest stage that fits 1 x 24 GB at micro 256 with activation checkpointing (stage 0: plain data "
+     "parallel, every GPU holds the whole model); zero1 fits too, no faster (a tie goes to the lighter stage); zero3 "
+     "would be 1.57x slower per step (ZeRO-3 hooks)"),
+], ids=["large-1x141GB", "large-8x80GB", "large-4x24GB", "base-1x24GB"])
+def test_the_issue_44_setups_under_amp_bf16(preset, budget, global_batch, pick, why):
+    rows = plan(preset_spec(preset), budget, global_batch, precision="amp_bf16")
+    best = recommend(rows)
+    assert (best.profile, best.checkpointing, best.micro, best.accumulation, best.gpu_gib) == pick
+    assert best.host_s == 0.0 and best.stage == 0
+    assert reason(best, rows, budget) == why
+
+
+def test_amp_is_recommended_at_stage_0_only_and_bf16_masters_never_at_stage_0(base):
+    """precision=amp: DeepSpeed's ZeRO skips every step (profiles.build_ds_config refuses it), so only ddp is a
+    candidate and the ZeRO rows say why; bf16 master weights ask for bf16 weights, which stage 0 refuses, so ddp
+    is the row left out."""
+    budget = Budget(2, 1, 24 * GB)
+    rows = plan(base, budget, 256, precision="amp", profiles=["ddp", "zero1", "zero2"])
+    assert {r.profile for r in rows if r.candidate} == {"ddp"} and recommend(rows).profile == "ddp"
+    assert all("precision=amp runs at stage 0 only" in r.note for r in rows if r.profile != "ddp")
+    rows = plan(base, budget, 256, master="bf16", profiles=["ddp", "zero1", "zero2"])   # auto: bf16 everywhere
+    assert {r.profile for r in rows if not r.candidate} == {"ddp"} and recommend(rows).profile != "ddp"
+    assert all(r.note.startswith("precision=bf16 at stage 0 runs DeepSpeed's FP16_UnfusedOptimizer")
+               for r in rows if r.profile == "ddp")
+
+
+def test_plan_cli_takes_the_autocast_precisions(capsys):
+    argv = ["plan", "--model", "git-rsclip-base", "--gpus", "2", "--gpu-mem", "24GB", "--global-batch", "256"]
+    assert main(argv + ["--precision", "amp_bf16", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["recommended"]["profile"] == "ddp" and "--set precision=amp_bf16" in doc["command"]
+    assert main(argv + ["--precision", "amp_bf16", "--communication-data-type", "fp32"]) == 2
+    assert "under torch.autocast the wire dtype is per layer" in capsys.readouterr().err
