@@ -17,7 +17,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
 from rsclip_ds.distill.config import DistillConfig
-from rsclip_ds.precision import Precision
+from rsclip_ds.precision import PrecisionChoice
 from rsclip_ds.runtime.compilation import CompileConfig
 from rsclip_ds.runtime.settings import Bf16Config, DistributedConfig, FaultConfig, Fp16Config, Strict
 
@@ -351,9 +351,9 @@ class EvalConfig(Strict):
 class RunConfig(Strict):
     profile: str = Field("zero2", description="DeepSpeed strategy: a name in ds_profiles/ (zero1, zero2, "
                          "zero2_offload, zero3, zero3_offload) or a path to a profile JSON.")
-    precision: Precision = Field(
-        "bf16", description="Training precision (docs/guides/precision.md): fp32; bf16/fp16 (16-bit weights, fp32 "
-        "masters); amp_bf16/amp (fp32 weights, torch.autocast in bf16/fp16 + a gradient scaler).")
+    precision: PrecisionChoice = Field(
+        "auto", description="docs/guides/precision.md: fp32; bf16/fp16 (16-bit weights, fp32 masters); "
+        "amp_bf16/amp (fp32 weights, autocast, amp with a scaler); auto: amp_bf16 on ddp, else bf16.")
     steps: int = Field(100, ge=1, description="Optimizer steps to train.")
     seed: int = Field(0, description="Seed for model init, data order and dropout.")
     output_dir: Path = Field(Path("runs/default"), description="Where the run writes its summary and logs.")
@@ -385,10 +385,10 @@ class RunConfig(Strict):
         if self.optim.warmup_steps >= self.steps and self.steps > 1:
             raise ValueError(f"optim.warmup_steps ({self.optim.warmup_steps}) must be below steps "
                              f"({self.steps}); lower it with --set optim.warmup_steps=N")
-        if self.bf16.grad_accum_dtype != "auto" and self.precision != "bf16":
+        if self.bf16.grad_accum_dtype != "auto" and self.precision not in ("bf16", "auto"):
             raise ValueError(f"bf16.grad_accum_dtype={self.bf16.grad_accum_dtype} applies to precision=bf16 only "
                              f"(precision is {self.precision}); drop it or set precision=bf16")
-        if self.bf16.master_weights != "fp32" and self.precision != "bf16":
+        if self.bf16.master_weights != "fp32" and self.precision not in ("bf16", "auto"):
             raise ValueError(f"bf16.master_weights={self.bf16.master_weights} applies to precision=bf16 only "
                              f"(precision is {self.precision}): set precision=bf16, or drop bf16.master_weights "
                              f"(fp32 training keeps fp32 weights)")

@@ -200,8 +200,8 @@ def partition_norm(zero) -> torch.Tensor:
     inner optimizer's first call of the step and kept in `_global_grad_norm` (which DeepSpeed reset to None
     at the start of the step and reads afterwards): every rank's partition of the gradients -- the first
     group's already flattened to fp32 (`single_partition_of_fp32_groups[0].grad`), the others still the
-    per-parameter pieces of `averaged_gradients` -- in one foreach norm accumulated in fp32, the squares
-    summed over the data-parallel group. DeepSpeed's own casts each tensor to fp64 and takes its norm one
+    per-parameter pieces of `averaged_gradients` (under fp32 accumulation one flat fp32 partition each) --
+    in one foreach norm accumulated in fp32, the squares summed over the data-parallel group. DeepSpeed's own casts each tensor to fp64 and takes its norm one
     by one; the two agree to fp32 rounding."""
     if zero._global_grad_norm is not None:   # a later group of this step: the norm is made
         return zero._global_grad_norm
@@ -209,7 +209,9 @@ def partition_norm(zero) -> torch.Tensor:
     for i in range(len(zero.bit16_groups)):
         flat = zero.single_partition_of_fp32_groups[i].grad
         pieces = zero.averaged_gradients.get(i) if flat is None else [flat]
-        if not isinstance(pieces, (list, tuple)):   # DeepSpeed's compact buffers (DeepCompile): not ours to read
+        if hasattr(pieces, "flat_partition"):   # fp32 accumulation: one flat fp32 partition (zeros for padding)
+            pieces = [pieces.flat_partition]
+        if not isinstance(pieces, (list, tuple)):
             raise RuntimeError(f"the non-finite guard cannot read ZeRO's gradient partition of group {i} "
                                f"({type(pieces).__name__}): run with bf16.check_grad_overflow=true")
         tensors += [t for t in pieces if t is not None and t.numel()]

@@ -1,20 +1,19 @@
-"""The training precisions and what each one keeps in which dtype. One table for the DeepSpeed config,
+"""The training precisions and what each one keeps in which dtype: one table for the DeepSpeed config,
 the planner, the guard and the start-up lines.
 
-| precision  | weights, gradients | forward / backward matmuls | DeepSpeed section           | named after              |
-|------------|--------------------|----------------------------|-----------------------------|--------------------------|
-| `fp32`     | fp32               | fp32                       | none                        |                          |
-| `bf16`     | bf16 (fp32 masters)| bf16                       | `bf16`                      | DeepSpeed's mixed precision |
-| `fp16`     | fp16 (fp32 masters)| fp16, dynamic loss scale   | `fp16`                      |                          |
-| `amp_bf16` | fp32               | bf16 under torch.autocast  | `torch_autocast` (bfloat16) | open_clip's `amp_bf16`   |
-| `amp`      | fp32               | fp16 under torch.autocast, | `torch_autocast` (float16)  | open_clip's `amp`, torch's |
-|            |                    | a gradient scaler          |                             | `autocast` + `GradScaler`|
+- `fp32`: fp32 weights, gradients and matmuls; no DeepSpeed section.
+- `bf16` / `fp16`: 16-bit weights, gradients and matmuls, fp32 masters in the optimizer (DeepSpeed's
+  `bf16` / `fp16` sections; fp16 with DeepSpeed's dynamic loss scale).
+- `amp_bf16` / `amp` (open_clip's names): fp32 weights and gradients, the forward under torch.autocast
+  in bf16 / fp16 (DeepSpeed's `torch_autocast` section); amp adds torch's GradScaler -- the seed's
+  DDP + autocast + GradScaler recipe, stage 0 only.
+- `auto`, what a run config says by default: made concrete per profile by `resolve_precision`.
 
-Under the two `amp` precisions DeepSpeed keeps fp32 weights and wraps the engine's forward in
-torch.autocast; the layers autocast runs in 16 bits (`AUTOCAST_MODULES`: Linear, the patch Conv2d)
-also send their gradients over the wire in 16 bits under ZeRO (DeepSpeed's `comm_dtype` per
-parameter); LayerNorm, the embeddings, the logit scale and bias stay fp32 everywhere, and the loss
-is computed outside the engine's forward, in fp32 (losses.py casts the features).
+Under the two amp precisions the layers autocast runs in 16 bits (`AUTOCAST_MODULES`: Linear, the
+patch Conv2d) also send their gradients over the wire in 16 bits (DeepSpeed's `comm_dtype` per
+parameter under ZeRO; rsclip_ds.gradients at stage 0); LayerNorm, the embeddings, the logit scale
+and bias stay fp32 everywhere, and the loss is computed outside the engine's forward, in fp32
+(losses.py casts the features).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from typing import Literal
 
 Precision = Literal["fp32", "bf16", "fp16", "amp_bf16", "amp"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "amp_bf16", "amp")
+PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16", "amp_bf16", "amp"]   # what a run config may say
 AUTOCAST = {"amp_bf16": "bf16", "amp": "fp16"}           # precision -> torch.autocast's dtype
 DEEPSPEED_DTYPE = {"bf16": "bfloat16", "fp16": "float16"}
 # DeepSpeed's own default list of lower_precision_safe_modules, written out so that ds_config.json says it
@@ -56,3 +56,21 @@ def autocast_section(precision: str) -> dict:
         return {}
     return {"torch_autocast": {"enabled": True, "dtype": DEEPSPEED_DTYPE[AUTOCAST[precision]],
                                "lower_precision_safe_modules": list(AUTOCAST_MODULES)}}
+
+
+def resolve_precision(choice: str, stage: int, bf16_supported: bool = True) -> tuple[str, str]:
+    """`precision: auto` -> (the precision, why), from the op census (docs/results/throughput.md#census): the
+    lighter step of the two for the stage. Stage 0 (ddp): amp_bf16, the plain PyTorch loop's recipe (fp32
+    weights under autocast), within 1 % of the plain loop's ops and bytes, where bf16 weights there would
+    run DeepSpeed's FP16_UnfusedOptimizer (refused). ZeRO: bf16, whose 16-bit gradient buckets and
+    partitions move fewer bytes than amp_bf16's fp32 ones. A GPU without bf16 (before NVIDIA's Ampere):
+    amp and fp16, the same with a loss scale. Another choice is returned as it is."""
+    if choice != "auto":
+        return choice, "as set"
+    if stage == 0:
+        picked = "amp_bf16" if bf16_supported else "amp"
+        return picked, (f"auto: {picked} at stage 0 -- fp32 weights under torch.autocast, the plain PyTorch loop's "
+                        f"recipe and its step, op for op")
+    picked = "bf16" if bf16_supported else "fp16"
+    return picked, (f"auto: {picked} under ZeRO-{stage} -- 16-bit weights and gradients, fewer bytes a step than "
+                    f"amp_bf16's fp32 gradients there")

@@ -22,7 +22,7 @@ from typing import Any
 
 from rsclip_ds.config import ConfigError, RunConfig
 from rsclip_ds.finite import GuardPlan, plan_guard
-from rsclip_ds.precision import autocast_section, compute_dtype, is_autocast, weight_dtype
+from rsclip_ds.precision import autocast_section, compute_dtype, is_autocast, resolve_precision, weight_dtype
 
 # The checkout's ds_profiles/ (editable install), else the copy a wheel installs under
 # <prefix>/share/rsclip_ds/ds_profiles (setup.cfg data_files).
@@ -279,16 +279,19 @@ def _run_values(run: RunConfig, sizes: BatchSizes, on_gpu: bool, offload: bool) 
     return values
 
 
-def auto_grad_accum_dtype(profile: Profile) -> str:
-    """What bf16.grad_accum_dtype='auto' means for a profile. The rule (docs/guides/precision.md, measured:
-    docs/results/training.md#grad-accum): fp32 where, at k = 8 micro-batches, it brings the gradient closer
-    to the fp32 big-batch one (it does at every stage) AND costs at most 2 bytes per trainable
-    parameter / G of GPU memory and no bytes on the wire. ZeRO-2 and ZeRO-3 pass: their gradient
-    partition becomes fp32 (and the step's fp32 copy of it goes away); with ZeRO-3's optimizer
-    offload that partition is in CPU memory. ZeRO-1 does not: DeepSpeed then swaps in its
-    BF16_Optimizer, which keeps a whole fp32 gradient copy (4 bytes per parameter) on every GPU.
-    ZeRO-2 with optimizer offload does not either: a 4-byte partition appears on the GPU."""
-    if profile.stage == 3 or (profile.stage == 2 and not profile.offload_optimizer):
+def auto_grad_accum_dtype(profile: Profile, accumulation: int) -> str:
+    """What bf16.grad_accum_dtype='auto' means for a profile at ``accumulation`` micro-batches a step. The rule
+    (docs/guides/precision.md, measured: docs/results/training.md#grad-accum): fp32 where, at k = 8
+    micro-batches, it brings the gradient closer to the fp32 big-batch one (it does at every stage) AND
+    costs at most 2 bytes per trainable parameter / G of GPU memory and no bytes on the wire. ZeRO-2 and
+    ZeRO-3 pass: their gradient partition becomes fp32 (and the step's fp32 copy of it goes away); with
+    ZeRO-3's optimizer offload that partition is in CPU memory. ZeRO-1 does not: DeepSpeed then swaps in
+    its BF16_Optimizer, which keeps a whole fp32 gradient copy (4 bytes per parameter) on every GPU. ZeRO-2
+    with optimizer offload does not either: a 4-byte partition appears on the GPU. At k = 1 there is nothing
+    to sum: the fp32 partition holds the same numbers as the bf16 one (a bf16 value is exact in fp32), for a
+    cast and an add per gradient tensor (census, git-rsclip-base shape: ZeRO-2 1.51x the twin's bytes and
+    8.2x its Python calls in fp32, 1.40x and 4.7x in bf16), so bf16."""
+    if accumulation > 1 and (profile.stage == 3 or (profile.stage == 2 and not profile.offload_optimizer)):
         return "fp32"
     return "bf16"
 
@@ -305,14 +308,10 @@ def grad_accum_dtype(run: RunConfig, profile: Profile) -> str:
         # bf16 masters: the mode exists to save bytes, and the sum is rounded to bf16 for the step
         # anyway (the master's gradient has master_weights_and_grads_dtype); an explicit fp32 sum
         # works at ZeRO-2/3 with and without offload (measured), for 2 more bytes per parameter / G
-        dtype = "bf16" if run.bf16.master_weights == "bf16" else auto_grad_accum_dtype(profile)
+        dtype = "bf16" if run.bf16.master_weights == "bf16" else \
+            auto_grad_accum_dtype(profile, run.batch.gradient_accumulation_steps)
     else:
         dtype = choice
-    if dtype == "fp32" and profile.stage == 0:
-        # engine._do_optimizer_sanity_check: "unsupported mix of model_dtype and grad_accum_dtype"
-        raise ConfigError(f"bf16.grad_accum_dtype=fp32 needs ZeRO: DeepSpeed accumulates in bf16 without it "
-                          f"(profile {profile.path.name} has stage 0); use a ZeRO profile (zero1, zero2, zero3) "
-                          f"or --set bf16.grad_accum_dtype=bf16")
     zero = profile.strategy.get("zero_optimization", {})
     if dtype == "fp32" and profile.stage == 1 and not profile.offload_optimizer and run.bf16.master_weights == "bf16":
         # measured: DeepSpeed then builds its BF16_Optimizer, which ignores bf16_master_weights_and_grads
@@ -332,9 +331,23 @@ def grad_accum_dtype(run: RunConfig, profile: Profile) -> str:
     return dtype
 
 
+def resolve_run_precision(run: RunConfig, profile: Profile, bf16_supported: bool = True) -> tuple[RunConfig, str]:
+    """The run with `precision: auto` made concrete for its profile (precision.resolve_precision), and why.
+    A bf16.* setting made on purpose asks for bf16 weights: auto then means bf16. Idempotent."""
+    if run.precision != "auto":
+        return run, "as set"
+    b = run.bf16
+    if b.master_weights != "fp32" or b.grad_accum_dtype != "auto" or b.check_grad_overflow:
+        picked, why = "bf16", "auto: bf16, which the bf16.* settings of this run are for"
+    else:
+        picked, why = resolve_precision("auto", profile.stage, bf16_supported)
+    return run.model_copy(update={"precision": picked}), why
+
+
 def guard_plan(run: RunConfig, profile: Profile) -> GuardPlan:
     """Who skips a step whose gradient norm is not finite in this run, DeepSpeed or rsclip_ds's step
     guard (finite.plan_guard); a ConfigError where nothing would."""
+    run, _ = resolve_run_precision(run, profile)
     zero = profile.strategy.get("zero_optimization", {})
     return plan_guard(run.precision, profile.stage, check_grad_overflow=run.bf16.check_grad_overflow,
                       grad_accum=grad_accum_dtype(run, profile), offload=profile.offload_optimizer,
@@ -387,10 +400,6 @@ def bf16_master_flags(run: RunConfig, profile: Profile, torch_adam: bool) -> dic
     torch's AdamW, not DeepSpeed's), naming the fix."""
     if run.precision != "bf16" or run.bf16.master_weights == "fp32":
         return {}
-    if profile.stage == 0:
-        # runtime/config.py: "Bf16_master_weights_and_grads is only supported with ZeRO Stage 1, 2, or 3"
-        raise ConfigError(f"bf16.master_weights=bf16 needs ZeRO (profile {profile.path.name} has stage 0): use "
-                          f"zero1, zero2 or zero3, or --set bf16.master_weights=fp32")
     if profile.offload_optimizer and torch_adam:
         # base_optimizer._configure_master_weights: offloaded bf16 masters need DeepSpeedCPUAdam (which
         # DeepSpeed then builds with fp32_optimizer_states=False); torch's AdamW fails an assert
@@ -434,6 +443,7 @@ def build_ds_config(run: RunConfig, profile: Profile, world_size: int, *, on_gpu
         from rsclip_ds.runtime.distributed import launcher_local_world_size
 
         local_world_size = launcher_local_world_size()
+    run, _ = resolve_run_precision(run, profile)   # the Trainer's is resolved already, with the device's bf16
     if profile.cuda_only and not on_gpu:
         # DeepSpeed would fail inside engine build or the first backward with "This op had not been
         # implemented on CPU backend"

@@ -30,7 +30,8 @@ from rsclip_ds.checkpoint import (Checkpointer, checkpoint_root, complete_tags, 
 from rsclip_ds.config import ConfigError, RunConfig
 from rsclip_ds.data import build_train_loader, check_shared_memory, expand_urls
 from rsclip_ds.data.loader import available_cores
-from rsclip_ds.runtime.distributed import (DistInfo, StopFlag, accelerator_is_gpu, check_launch_env,
+from rsclip_ds.runtime.distributed import (DistInfo, StopFlag, accelerator_has_bf16, accelerator_is_gpu,
+                                           check_launch_env,
                                    configure_logging, configure_wandb_offline, destroy_distributed,
                                    init_distributed, set_threads_per_rank,
                                    process_group_exists, seconds_since_process_start, world_size_from_env)
@@ -49,7 +50,8 @@ from rsclip_ds.finite import check_weights, install_step_guard
 from rsclip_ds.gradients import build_gradient_buckets
 from rsclip_ds.precision import uses_fp16, weight_dtype
 from rsclip_ds.profiles import (BatchSizes, Profile, activation_checkpointing_enabled, build_ds_config,
-                                derive_batch, guard_plan, load_profile, one_rank_overlap, scaled_lr)
+                                derive_batch, guard_plan, load_profile, one_rank_overlap, resolve_run_precision,
+                                scaled_lr)
 from rsclip_ds.reporting.curves import plot_curves
 from rsclip_ds.reporting.epochs import epochs_record, startup_lines
 from rsclip_ds.reporting.load import DataWaitWatch
@@ -66,11 +68,14 @@ log = logging.getLogger("rsclip_ds")
 Hook = Callable[[int, Any], "dict | None"]
 
 
-def check_run(run: RunConfig, *, shards: bool = True) -> tuple[Profile, dict]:
-    """Everything that can fail without a process group: profile, DeepSpeed config, model
-    source, shards (unless the caller brings its own batches). Raises ConfigError naming the fix."""
+def check_run(run: RunConfig, *, shards: bool = True) -> tuple[RunConfig, Profile, dict, str]:
+    """Everything that can fail without a process group: profile, precision (`auto` made concrete for the
+    profile and the device), DeepSpeed config, model source, shards (unless the caller brings its own
+    batches) -> (the run with its precision, profile, DeepSpeed config, why that precision). Raises
+    ConfigError naming the fix."""
     check_launch_env()   # before world_size_from_env() takes a missing WORLD_SIZE for a world of one
     profile = load_profile(run.profile)
+    run, precision_why = resolve_run_precision(run, profile, accelerator_has_bf16())
     ds_config = build_ds_config(run, profile, world_size_from_env(), on_gpu=accelerator_is_gpu())
     check_source(run.model)
     check_distill(run.distill, ds_config.get("zero_optimization", {}).get("stage", 0))
@@ -86,7 +91,7 @@ def check_run(run: RunConfig, *, shards: bool = True) -> tuple[Profile, dict]:
     if run.faults.inject_worker_kill_at_step and run.data.num_workers == 0:
         raise ConfigError("faults.inject_worker_kill_at_step needs a DataLoader worker: set data.num_workers >= 1")
     if not shards:
-        return profile, ds_config
+        return run, profile, ds_config, precision_why
     if not run.data.train_shards:
         raise ConfigError("data.train_shards is not set: point it at webdataset shards, e.g. "
                           "--set data.train_shards='data/synthetic/train-{000000..000007}.tar' "
@@ -95,7 +100,7 @@ def check_run(run: RunConfig, *, shards: bool = True) -> tuple[Profile, dict]:
         expand_urls(run.data.train_shards)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return profile, ds_config
+    return run, profile, ds_config, precision_why
 
 
 def step_decisions(run: RunConfig, profile: Profile, ds_config: dict, world_size: int) -> list[str]:
@@ -144,9 +149,9 @@ class Trainer:
 
     def __init__(self, run: RunConfig, *, hooks: Sequence[Hook] = (), model: ModelBundle | None = None,
                  loader: Any = None, wrap_loader: Callable[[Any], Any] | None = None):
-        self.run, self.extra_hooks, self.model = run, list(hooks), model
+        self.extra_hooks, self.model = list(hooks), model
         self.loader, self.wrap_loader = loader, wrap_loader
-        self.profile, self.ds_config = check_run(run, shards=loader is None)
+        self.run, self.profile, self.ds_config, self.precision_why = check_run(run, shards=loader is None)
         self.info: DistInfo | None = None
         self.parts: Parts | None = None
         self.wandb = None   # rank 0's reporting.wandb_log.WandbLog under logging.wandb (train() makes it)
@@ -232,8 +237,9 @@ class Trainer:
         if info.rank == 0:
             self._check_space(root, tag)
             self._write_run_files()
-            log.info("model %s | profile %s | precision %s | batch micro x accumulation x world = global: %s | "
-                     "%.2fM parameters, trainable %s", bundle.source, self.profile.name, run.precision, batch,
+            log.info("model %s | profile %s | precision %s%s | batch micro x accumulation x world = global: %s | "
+                     "%.2fM parameters, trainable %s", bundle.source, self.profile.name, run.precision,
+                     "" if self.precision_why == "as set" else f" ({self.precision_why})", batch,
                      bundle.num_parameters() / 1e6,
                      ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in trainable.items()))
             said = step_decisions(run, self.profile, self.ds_config, info.world_size)

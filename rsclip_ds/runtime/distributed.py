@@ -184,6 +184,14 @@ def accelerator_is_gpu() -> bool:
     return get_accelerator().device_name() not in ("cpu",)
 
 
+def accelerator_has_bf16() -> bool:
+    """Whether the accelerator computes in bf16 (NVIDIA from Ampere on; DeepSpeed's CPU accelerator: yes):
+    what `precision: auto` asks (precision.resolve_precision)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_bf16_supported())
+
+
 def init_distributed(timeout_minutes: float | None = None) -> DistInfo:
     """Start the process group (gloo on CPU ranks, nccl on GPUs). Without a launcher, a
     one-rank group on localhost, so `rsclip-ds train` also runs as a plain command."""

@@ -17,12 +17,12 @@ def test_precedence_defaults_file_then_set(tmp_path):
     assert run.batch.micro_batch_size == 8      # --set over file
     assert run.optim.lr == 0.01
     assert run.optim.betas == (0.9, 0.95)
-    assert run.precision == "bf16"              # default
+    assert run.precision == "auto"              # default: made concrete per profile (profiles.resolve_run_precision)
 
 
 @pytest.mark.parametrize("override, fragment", [
     ("model.presett=tiny", "model.presett: unknown key; allowed here: activation_checkpointing, patch_dropout, patch_dropout_off_last_steps, preset, pretrained"),
-    ("precision=fp8", "precision: Input should be 'fp32', 'bf16', 'fp16', 'amp_bf16' or 'amp'"),
+    ("precision=fp8", "precision: Input should be 'auto', 'fp32', 'bf16', 'fp16', 'amp_bf16' or 'amp'"),
     ("batch.micro_batch_size=0", "batch.micro_batch_size"),
     ("optim.lr_scaling=cubic", "optim.lr_scaling"),
     ("bogus=1", "bogus: unknown key; allowed here:"),
@@ -162,3 +162,22 @@ def test_train_weights_are_checked_against_the_sources_when_the_config_loads():
     with pytest.raises(ConfigError, match="data.policy=exact a weight is how often"):
         load_config(None, [shards, "data.train_weights=[0.5,1]"])
     load_config(None, [shards, "data.train_weights=[0.5,1]", "data.policy=resampled"])
+
+
+def test_precision_auto_is_amp_bf16_at_stage_0_and_bf16_under_zero():
+    """The default, decided from the op census (docs/results/throughput.md#census): the lighter step of the two per
+    stage; fp16 and amp on GPUs without bf16; bf16 wherever a bf16.* setting asks for it."""
+    from rsclip_ds.profiles import resolve_run_precision
+
+    run = load_config(None, [])
+    assert run.precision == "auto"
+    picks = {name: resolve_run_precision(run, load_profile(name))[0].precision for name in ("ddp", "zero1", "zero3")}
+    assert picks == {"ddp": "amp_bf16", "zero1": "bf16", "zero3": "bf16"}
+    assert resolve_run_precision(run, load_profile("ddp"), bf16_supported=False)[0].precision == "amp"
+    assert resolve_run_precision(run, load_profile("zero2"), bf16_supported=False)[0].precision == "fp16"
+    masters = load_config(None, ["bf16.master_weights=bf16"])
+    assert resolve_run_precision(masters, load_profile("zero2"))[0].precision == "bf16"
+    explicit = load_config(None, ["precision=fp32"])
+    assert resolve_run_precision(explicit, load_profile("ddp")) == (explicit, "as set")
+    ds = build_ds_config(run, load_profile("ddp"), 2, on_gpu=False)   # what the engine gets: concrete
+    assert ds["torch_autocast"]["dtype"] == "bfloat16" and not ds["bf16"]["enabled"]

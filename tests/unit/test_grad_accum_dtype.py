@@ -24,7 +24,11 @@ def ds(profile: str, *sets: str) -> dict:
 
 @pytest.mark.parametrize("profile", sorted(AUTO))
 def test_auto_follows_the_documented_rule(profile):
-    assert ds(profile, "precision=bf16")["data_types"] == {"grad_accum_dtype": AUTO[profile]}
+    """At k > 1 micro-batches a step; at k = 1 there is nothing to sum, and every profile keeps bf16 (the same
+    numbers: a bf16 value is exact in fp32, for a cast and an add per gradient tensor less)."""
+    assert ds(profile, "precision=bf16", "batch.gradient_accumulation_steps=4")["data_types"] == {
+        "grad_accum_dtype": AUTO[profile]}
+    assert ds(profile, "precision=bf16")["data_types"] == {"grad_accum_dtype": "bf16"}
 
 
 @pytest.mark.parametrize("choice", ("fp32", "bf16"))
@@ -55,14 +59,14 @@ def _custom_profile(tmp_path, zero: dict) -> str:
     return str(path)
 
 
-def test_fp32_without_zero_names_the_fix(tmp_path):
-    """DeepSpeed without ZeRO raises 'unsupported mix' for bf16 weights with fp32 accumulation."""
+def test_bf16_without_zero_names_the_fix(tmp_path):
+    """bf16 weights at stage 0 run DeepSpeed's FP16_UnfusedOptimizer (and it raises 'unsupported mix' for fp32
+    accumulation): refused, naming amp_bf16 (fp32 weights, autocast) and the ZeRO profiles."""
     profile = _custom_profile(tmp_path, {"stage": 0})
-    run = load_config(None, [f"profile={profile}", "precision=bf16", "bf16.grad_accum_dtype=fp32"])
-    with pytest.raises(ConfigError, match="needs ZeRO.*bf16.grad_accum_dtype=bf16"):
-        build_ds_config(run, load_profile(profile), 2, on_gpu=False)
-    auto = load_config(None, [f"profile={profile}", "precision=bf16"])
-    assert build_ds_config(auto, load_profile(profile), 2, on_gpu=False)["data_types"] == {"grad_accum_dtype": "bf16"}
+    for sets in (["bf16.grad_accum_dtype=fp32"], []):
+        run = load_config(None, [f"profile={profile}", "precision=bf16", *sets])
+        with pytest.raises(ConfigError, match="at stage 0.*precision=amp_bf16.*zero1, zero2"):
+            build_ds_config(run, load_profile(profile), 2, on_gpu=False)
 
 
 def test_zero1_fp32_without_the_gradient_norm_names_the_fix(tmp_path):
@@ -76,7 +80,7 @@ def test_zero1_fp32_without_the_gradient_norm_names_the_fix(tmp_path):
 
 def test_a_profile_may_not_set_data_types_itself(tmp_path):
     path = tmp_path / "mine.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "data_types": {"grad_accum_dtype": "bf16"}}))
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, "data_types": {"grad_accum_dtype": "fp32"}}))
     run = load_config(None, [f"profile={path}", "precision=bf16"])
     with pytest.raises(ConfigError, match="data_types.*bf16.grad_accum_dtype"):
         build_ds_config(run, load_profile(str(path)), 2, on_gpu=False)

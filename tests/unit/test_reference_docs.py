@@ -52,7 +52,7 @@ def test_config_page_has_every_key_once_with_its_type_and_default():
 
 @pytest.mark.parametrize("key, allowed", [
     ("steps", "int >= 1"),
-    ("precision", "'fp32' \\| 'bf16' \\| 'fp16' \\| 'amp_bf16' \\| 'amp'"),
+    ("precision", "'auto' \\| 'fp32' \\| 'bf16' \\| 'fp16' \\| 'amp_bf16' \\| 'amp'"),
     ("data.num_workers", "'auto' or int >= 0"),
     ("data.epoch_batches", "int >= 1 or null"),
     ("data.random_resized_crop", "[float, float] or null"),
