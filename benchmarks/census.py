@@ -476,8 +476,21 @@ def argparse_suppress():
 
 
 def subjects_of(args) -> list[str]:
-    """The twin of each precision, then each profile under each precision (a profile's rows side by side)."""
-    return [f"twin/{p}" for p in args.precisions] + [f"{k}/{p}" for k in args.profiles for p in args.precisions]
+    """The twin of each precision, then each profile under each precision (a profile's rows side by side),
+    less the pairs a run refuses (ddp with bf16 weights: profiles.build_ds_config)."""
+    from rsclip_ds.config import ConfigError, load_config
+    from rsclip_ds.profiles import build_ds_config, load_profile
+    from rsclip_ds.runtime.distributed import accelerator_is_gpu
+
+    def runs(profile: str, precision: str) -> bool:
+        try:
+            build_ds_config(load_config(None, [f"profile={profile}", f"precision={precision}", *args.set]),
+                            load_profile(profile), 1, on_gpu=accelerator_is_gpu(), local_world_size=1)
+        except ConfigError:
+            return False
+        return True
+    return [f"twin/{p}" for p in args.precisions] + [f"{k}/{p}" for k in args.profiles for p in args.precisions
+                                                      if runs(k, p)]
 
 
 def main(argv=None) -> int:

@@ -44,6 +44,7 @@ MICRO = 4
 CASES = [("ddp", "fp32"),
          ("zero1", "fp32"), ("zero1", "bf16"), ("zero1", "bf16 masters"), ("zero1", "bf16 fp32-accumulation"),
          ("zero2", "fp32"), ("zero2", "bf16"), ("zero2", "bf16 masters"), ("zero2", "bf16 checked"),
+         ("zero2", "bf16 k=2"),
          ("zero2_offload", "fp32"), ("zero2_offload", "bf16"),
          ("zero3", "fp32"), ("zero3", "bf16"), ("zero3", "bf16 masters"), ("zero3_offload", "fp32"),
          ("zero3_offload", "bf16"),
@@ -54,7 +55,9 @@ PRECISION = {"fp32": ["precision=fp32"], "bf16": ["precision=bf16"], "fp16": ["p
              "amp_bf16": ["precision=amp_bf16"], "amp": ["precision=amp"],
              "bf16 masters": ["precision=bf16", "bf16.master_weights=bf16"],
              "bf16 fp32-accumulation": ["precision=bf16", "bf16.grad_accum_dtype=fp32"],
-             "bf16 checked": ["precision=bf16", "bf16.check_grad_overflow=true"]}
+             "bf16 checked": ["precision=bf16", "bf16.check_grad_overflow=true"],
+             # two micro-batches a step: bf16 accumulates in DeepSpeed's flat fp32 partition (auto at k > 1)
+             "bf16 k=2": ["precision=bf16", "batch.gradient_accumulation_steps=2"]}
 
 
 def cases() -> list[tuple[str, str]]:
@@ -63,13 +66,13 @@ def cases() -> list[tuple[str, str]]:
     return (FP16_CASES if fp16 else []) + CASES
 
 
-def batches(rank: int, vocab: int, drop: int | None) -> list[dict]:
-    """Four micro-batches of this rank (token ids below the last: its embedding row is never used);
-    ``drop``: leave that 1-based batch out."""
+def batches(rank: int, vocab: int, drop: int | None, per_step: int = 1) -> list[dict]:
+    """Four steps' micro-batches of this rank, ``per_step`` each (token ids below the last: its embedding row
+    is never used); ``drop``: leave that 1-based step's out."""
     g = torch.Generator().manual_seed(100 + rank)
     out = [{"pixel_values": torch.randint(0, 256, (MICRO, 3, 64, 64), dtype=torch.uint8, generator=g),
-            "input_ids": torch.randint(0, vocab - 1, (MICRO, 16), generator=g)} for _ in range(4)]
-    return [b for i, b in enumerate(out, 1) if i != drop]
+            "input_ids": torch.randint(0, vocab - 1, (MICRO, 16), generator=g)} for _ in range(4 * per_step)]
+    return [b for i, b in enumerate(out) if i // per_step + 1 != drop]
 
 
 def run_state(engine) -> dict[str, list[torch.Tensor]]:
@@ -125,8 +128,9 @@ def run_case(rank: int, out: Path, tokenizer, profile: str, precision: str, valu
     def watch(step: int, engine) -> None:
         if value and step in (1, 2):
             around[step] = {**run_state(engine), "skipped": engine.skipped_steps, "lr": engine.get_lr()}
+    per_step = run.batch.gradient_accumulation_steps
     with Trainer(run, model=preset_bundle("tiny", tokenizer, 0), hooks=[watch],
-                 loader=iter(batches(rank, len(tokenizer), None if value else 2))) as trainer:
+                 loader=iter(batches(rank, len(tokenizer), None if value else 2, per_step))) as trainer:
         trainer.train()
         engine = trainer.parts.engine
         result = {"state": run_state(engine), "skipped": engine.skipped_steps, "lr": engine.get_lr(),
