@@ -5,10 +5,11 @@ failure, one JSON to send with a bug report (docs/guides/clusters.md, "First run
     DS_ACCELERATOR=cpu python -m benchmarks.gpu_first_run --smoke --out /tmp/first_run.json   # CPU, ~1 min
 
 Steps: environment (driver, CUDA, NCCL, nvcc or not, GPUs, topology); the loss and accumulation
-parity tests (reference twins; tests/unit/test_losses.py, test_global_accumulation.py); one
-ZeRO-1/2/3 step each (benchmarks.gpu, a few steps, the tiny model under --smoke); the MFU cases
-(benchmarks.gpu, git-rsclip-base, zero2 and zero3, beside the eager plain-loop twin; skipped under
---smoke); the planner check (`rsclip-ds plan` for this machine's GPUs). The JSON lists, under
+parity tests (reference twins; tests/unit/test_losses.py, test_global_accumulation.py); one ddp
+and one ZeRO-1/2/3 step each at the run's default precision (benchmarks.gpu --precisions auto:
+amp_bf16 on ddp, bf16 under ZeRO; a few steps, the tiny model under --smoke); the MFU cases
+(benchmarks.gpu, git-rsclip-base, ddp, zero2 and zero3 at auto, beside the eager plain-loop twin;
+skipped under --smoke); the planner check (`rsclip-ds plan` for this machine's GPUs). The JSON lists, under
 "gpu_checks", every finding that only a GPU can confirm, so the first GPU run closes them or reports
 them open.
 """
@@ -43,6 +44,8 @@ GPU_CHECKS = [
     "1 GiB reserve",
     "loss / accumulation parity on NCCL with 2 and 3 GPUs (the parity step runs the reference twins in one "
     "process; the multi-rank form runs on gloo: tests/integration/test_loss_parity.py)",
+    "ddp's overlapped bucketed all-reduce (rsclip_ds/gradients.py) on NCCL with 2+ GPUs: one GPU has nothing to "
+    "reduce (zero_steps runs ddp on one); the CPU tests run it on gloo",
     "NCCL's /dev/shm use (not in the loader's shared-memory check) and the autograd all-gather's backward "
     "(a reduce-scatter under NCCL)",
 ]
@@ -75,14 +78,16 @@ def steps(args, gpus: int, tmp: Path) -> list[tuple[str, list[str]]]:
     # --twins alone: one step of each stage needs no plain-loop twin
     short = ["--seconds", "1", "--max-steps", "2", "--warmup", "2", "--ac", "off", "--model", model,
              "--variants", "base", "--twins"]
+    # --precisions auto: what a run does by default (amp_bf16 on ddp, bf16 under ZeRO)
     todo = [("parity", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_losses.py",
                         "tests/unit/test_global_accumulation.py"]),
-            ("zero_steps", [py, "-m", "benchmarks.gpu", *short, "--profiles", "zero1", "zero2", "zero3",
-                            *(["--micro", "2"] if args.smoke else []), "--out", str(tmp / "zero_steps.json")])]
+            ("zero_steps", [py, "-m", "benchmarks.gpu", *short, "--profiles", "ddp", "zero1", "zero2", "zero3",
+                            "--precisions", "auto", *(["--micro", "2"] if args.smoke else []),
+                            "--out", str(tmp / "zero_steps.json")])]
     if not args.smoke:
-        todo.append(("mfu", [py, "-m", "benchmarks.gpu", "--model", "git-rsclip-base", "--profiles", "zero2", "zero3",
-                             "--ac", "off", "--seconds", "5", "--variants", "base", "--twins", "eager",
-                             "--out", str(tmp / "mfu.json")]))
+        todo.append(("mfu", [py, "-m", "benchmarks.gpu", "--model", "git-rsclip-base", "--profiles", "ddp", "zero2",
+                             "zero3", "--precisions", "auto", "--ac", "off", "--seconds", "5", "--variants", "base",
+                             "--twins", "eager", "--out", str(tmp / "mfu.json")]))
     todo.append(("plan", [py, "-m", "rsclip_ds", "plan", "--model", "git-rsclip-base", "--gpus", str(max(gpus, 1)),
                           "--gpu-mem", f"{args.gpu_mem_gib}GiB", "--global-batch", str(32 * max(gpus, 1)), "--json"]))
     return todo

@@ -9,12 +9,14 @@ config overrides on the same run (the same model, batch, profile and precision):
                  is part of every step
 
 Variants other than base run on one case only (VARIANT_CASE: git-rsclip-base, ZeRO-2, no
-activation checkpointing, the preset's micro-batch), so the default command adds three cases to
-the grid's eight (~45 s each, compile's first step longer).
+activation checkpointing, the preset's micro-batch, the profile's first precision), so the default
+command adds three cases to the grid's eight (~45 s each, compile's first step longer).
 
 A twin (TWINS): the plain PyTorch loop of benchmarks/twin.py on a preset's model and batch, eager
-or with every encoder layer compiled, one per preset and micro-batch; pair_with_twins reads each
-of our cases against them (ours / twin samples/s: 1.0 is the floor's speed).
+or with every encoder layer compiled, one per preset, micro-batch and compute dtype
+(twin_precision: bf16 and amp_bf16 both compute in bf16, and the twin's recipe -- fp32 weights
+under autocast -- is one for both); pair_with_twins reads each of our cases against the twins of
+its compute dtype (ours / twin samples/s: 1.0 is the floor's speed).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.harness import synthetic_data
+from rsclip_ds.precision import compute_dtype
 
 VARIANTS = ("base", "patch_dropout", "compile", "distill")
 TWINS = ("eager", "compiled")
@@ -31,6 +34,12 @@ SAME_WORK_AS_TWIN = ("base", "compile")
 TEACHER_PRESET = "git-rsclip-large"
 # (preset, profile, activation checkpointing) of the case the non-base variants run on
 VARIANT_CASE = ("git-rsclip-base", "zero2", False)
+
+
+def twin_precision(precision: str) -> str:
+    """The twin's precision for one of ours: its compute dtype (amp_bf16 -> bf16, bf16 -> bf16, fp32 ->
+    fp32), the one autocast setting that tells twins apart (benchmarks.twin.PlainLoop)."""
+    return compute_dtype(precision)
 
 
 def variant_overrides(variant: str, teacher: str | None = None) -> list[str]:
@@ -74,9 +83,9 @@ def write_teacher(out: Path, preset: str = TEACHER_PRESET, tokenizer_dir: Path |
 
 
 def pair_with_base(rows: list[dict]) -> list[dict]:
-    """Each ok variant row with its ok base twin (same preset, profile, checkpointing, micro, the
-    tensor batch): variant / base samples/s and peak memory."""
-    key = lambda r: (r["preset"], r["profile"], r["checkpointing"], r["micro"])
+    """Each ok variant row with its ok base twin (same preset, profile, precision, checkpointing,
+    micro, the tensor batch): variant / base samples/s and peak memory."""
+    key = lambda r: (r["preset"], r["profile"], r.get("precision", "bf16"), r["checkpointing"], r["micro"])
     base = {key(r): r for r in rows if r.get("ok") and r.get("data", "tensor") == "tensor"
             and r.get("variant", "base") == "base" and not r.get("twin")}
     pairs = []
@@ -112,17 +121,18 @@ def teacher_batch(teacher: str, micro: int, device, generator) -> dict:
 
 def pair_with_twins(rows: list[dict]) -> list[dict]:
     """Each ok row of ours on the tensor batch doing the twin's work (SAME_WORK_AS_TWIN; any
-    profile, with or without checkpointing) with the ok twins of its preset and micro-batch: our
-    samples/s over each twin's, beside both MFUs. A twin that failed or was skipped gives None."""
-    key = lambda r: (r["preset"], r["micro"])
+    profile and precision, with or without checkpointing) with the ok twins of its preset,
+    micro-batch and compute dtype (twin_precision): our samples/s over each twin's, beside both
+    MFUs. A twin that failed or was skipped gives None."""
+    key = lambda r: (r["preset"], r["micro"], twin_precision(r.get("precision", "bf16")))
     twins = {(key(r), r["twin"]): r for r in rows if r.get("ok") and r.get("twin")}
     pairs = []
     for r in rows:
         if (not r.get("ok") or r.get("twin") or r.get("data", "tensor") != "tensor"
                 or r.get("variant", "base") not in SAME_WORK_AS_TWIN):
             continue
-        pair = {"case": r["case"], "variant": r.get("variant", "base"), "samples_per_s": r["samples_per_s"],
-                "mfu": r.get("mfu")}
+        pair = {"case": r["case"], "variant": r.get("variant", "base"), "precision": r.get("precision", "bf16"),
+                "samples_per_s": r["samples_per_s"], "mfu": r.get("mfu")}
         for name in TWINS:
             twin = twins.get((key(r), name))
             pair.update({f"twin_{name}_samples_per_s": twin["samples_per_s"] if twin else None,

@@ -80,6 +80,7 @@ class Bench:
     timeout_s: float = 600.0
     pss_interval: float = 2.0   # seconds between samples of the tree's PSS (launch_measure.PeakPss)
     style: str = "harness"  # openclip_cases.STYLES: harness (threads set by the driver) or users (tools' defaults)
+    checkpointing: bool = False   # activation checkpointing on both sides (open_clip --grad-checkpointing)
 
 
 FULL = Bench("siglip-20m", steps=60, repeats=3, skip=5, micro=16, ranks=2, workers=1, threads=1, device="cpu",
@@ -88,16 +89,17 @@ TINY = Bench("tiny", steps=8, repeats=1, skip=3, micro=8, ranks=2, workers=1, th
              num_train=256, shard_size=32, warmup=3, timeout_s=240.0)
 
 
-def one_rank_bench(shape: str, micro: int, steps: int, workers: int, timeout_s: float, device: str) -> Bench:
+def one_rank_bench(shape: str, micro: int, steps: int, workers: int, timeout_s: float, device: str,
+                   checkpointing: bool = False) -> Bench:
     """benchmarks/gpu.py --open-clip: one rank (a GPU; a CPU rank in its smoke test). The first
     quarter of the steps is left out (CUDA context, allocator and kernel selection warm up); the
     shards hold every sample the run trains on, at least one shard per loader worker (open_clip
-    asserts it)."""
+    asserts it). `checkpointing`: both sides recompute the forward (the planner's pick may ask for it)."""
     shard = max(micro, 64)
     shards = max(-(-steps * micro // shard), workers)
     return Bench(shape, steps=steps, repeats=1, skip=max(1, steps // 4), micro=micro, ranks=1, workers=workers,
                  threads=1, device=device, num_train=shards * shard, shard_size=shard, warmup=min(10, steps - 1),
-                 timeout_s=timeout_s)
+                 timeout_s=timeout_s, checkpointing=checkpointing)
 
 
 # --------------------------------------------------------------------------- set-up

@@ -31,11 +31,14 @@ KIT = Path("kit")
 OPENCLIP_PRECISIONS = ("fp32", "amp_bf16", "pure_bf16")
 # rsclip_ds precision -> the open_clip precisions it is compared with. amp_bf16 keeps fp32 weights
 # and optimizer state as DeepSpeed's bf16 does (fp32 masters); pure_bf16 holds bf16 weights and
-# AdamW states, no fp32 copy: less work per step, another numerical recipe.
-PAIRED = {"fp32": ("fp32",), "bf16": ("amp_bf16", "pure_bf16"), "bf16_masters": ("pure_bf16",)}
+# AdamW states, no fp32 copy: less work per step, another numerical recipe. rsclip_ds's amp_bf16
+# is open_clip's recipe itself (fp32 weights, the forward under torch.autocast in bf16): the
+# planner's pick on one GPU (ddp, amp_bf16; benchmarks/gpu.py --planner-pick).
+PAIRED = {"fp32": ("fp32",), "bf16": ("amp_bf16", "pure_bf16"), "bf16_masters": ("pure_bf16",),
+          "amp_bf16": ("amp_bf16",)}
 # rsclip_ds's pure-bf16 recipe: bf16 masters and AdamW states (docs/guides/precision.md)
 RSCLIP_SETS = {"fp32": ["precision=fp32"], "bf16": ["precision=bf16"],
-               "bf16_masters": ["precision=bf16", "bf16.master_weights=bf16"]}
+               "bf16_masters": ["precision=bf16", "bf16.master_weights=bf16"], "amp_bf16": ["precision=amp_bf16"]}
 # a feature both tools have, at the same setting: open_clip_train flags, rsclip_ds --set overrides
 PEERS = {
     # FLIP patch dropout, half the image tokens: timm's PatchDropout (open_clip --force-patch-dropout
@@ -142,6 +145,7 @@ def openclip_cmd(bench, case: Case, inputs, port: int, name: str, style: str = "
             "--image-mean", "0.5", "0.5", "0.5", "--image-std", "0.5", "0.5", "0.5",
             "--log-every-n-steps", "1", "--zeroshot-frequency", "0",
             "--val-frequency", "0", "--report-to", "none", "--name", name,
+            *(["--grad-checkpointing"] if bench.checkpointing else []),
             *(PEERS[case.peer][0] if case.peer else [])]
 
 
@@ -154,6 +158,7 @@ def rsclip_cmd(bench, case: Case, inputs, port: int, out_dir: Path, style: str =
             "optim.eps=1e-6", f"optim.weight_decay={bench.weight_decay}", f"optim.warmup_steps={bench.warmup}",
             f"optim.gradient_clipping={bench.grad_clip}", "logging.log_every=1", "logging.progress=plain",
             *(["checkpoint.at_end=false"] if style == "harness" else []),
+            *(["model.activation_checkpointing=true"] if bench.checkpointing else []),
             *(PEERS[case.peer][1] if case.peer else [])]
     return deepspeed_cmd() + ["--num_gpus", str(bench.ranks), "--master_port", str(port), "--module", "rsclip_ds",
                               "train"] + [a for s in sets for a in ("--set", s)]

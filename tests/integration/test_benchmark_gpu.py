@@ -1,14 +1,16 @@
 """benchmarks/gpu.py on CPU with the tiny preset, in its smallest case, so the GPU script cannot rot.
 
-One launch (~40 s on 2 idle cores, mostly imports and engine builds): ZeRO-2 without activation
-checkpointing, four cases each in its own process as on a GPU -- a batch in memory (tensor), the
-plain PyTorch twin of the step on the same model and batch (eager: the compiled twin compiles for
-~90 s on these cores; benchmarks/gpu_step.sh's CPU form runs it), the case's patch-dropout variant,
-and the same case fed by the Trainer's own loader from 64 JPEGs through one worker. Checks what
-each case measured against numbers computed here: the parameters its engine holds against the
-model's count, the FLOPs per sample it reports against torch's FLOP counter on a forward of the
-same model, and the pairs the report derives (loader / tensor, variant / base, ours / twin).
-That ZeRO stages give the same losses, and a distillation teacher in a real launch, are
+One launch (~60 s on 2 idle cores, mostly imports and engine builds): ddp and ZeRO-2 at the run's
+default precision (--precisions auto: ddp/amp_bf16, zero2/bf16) without activation checkpointing,
+six cases each in its own process as on a GPU -- each profile on a batch in memory (tensor) and
+fed by the Trainer's own loader from 64 JPEGs through one worker, the plain PyTorch twin of the
+step on the same model and batch (eager: the compiled twin compiles for ~50 s on these cores;
+benchmarks/gpu_step.sh's CPU form runs it), and zero2's patch-dropout variant. Checks what each
+case measured against numbers computed here: the parameters its engine holds against the model's
+count, the FLOPs per sample it reports against torch's FLOP counter on a forward of the same
+model, the twin's losses against ours (amp_bf16 is its recipe: the same losses, step for step),
+and the pairs the report derives (loader / tensor, variant / base, ours / twin). That ZeRO stages
+give the same losses, and a distillation teacher in a real launch, are
 tests/integration/test_launch.py's.
 """
 
@@ -30,26 +32,32 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("gpu")
-    return run_benchmark("gpu", "--model", "tiny", "--profiles", "zero2", "--ac", "off", "--data", "tensor", "loader",
-                         "--variants", "base", "patch_dropout", "--twins", "eager", "--data-images", "64",
-                         "--data-px", "64",
-                         "--loader-workers", "1", "--warmup", "1", "--seconds", "0.5", "--max-steps", "2",
-                         out=tmp / "gpu_tiny.json", ranks=None, timeout=400)
+    # --seconds 5 with --max-steps 2: every case times exactly 2 steps (tiny's take ~30 ms), so ours
+    # and the twin's final losses are both step 3's
+    return run_benchmark("gpu", "--model", "tiny", "--profiles", "ddp", "zero2", "--precisions", "auto", "--ac", "off",
+                         "--data", "tensor", "loader", "--variants", "base", "patch_dropout", "--twins", "eager",
+                         "--data-images", "64", "--data-px", "64", "--loader-workers", "1", "--warmup", "1",
+                         "--seconds", "5", "--max-steps", "2", out=tmp / "gpu_tiny.json", ranks=None, timeout=400)
 
 
-def _case(report: dict, data: str = "tensor", variant: str = "base", twin: str = "") -> dict:
-    return next(c for c in report["cases"] if (c["data"], c["variant"], c["twin"]) == (data, variant, twin))
+def _case(report: dict, data: str = "tensor", variant: str = "base", twin: str = "", profile: str = "zero2") -> dict:
+    return next(c for c in report["cases"] if (c["data"], c["variant"], c["twin"]) == (data, variant, twin)
+                and c["profile"] == ("plain" if twin else profile))
 
 
 def test_every_case_trained_the_counted_model(report):
     psi = sum(p.numel() for p in new_dual_encoder(preset_config("tiny")).parameters())
-    assert [(c["data"], c["variant"], c["twin"]) for c in report["cases"]] == [
-        ("tensor", "base", ""), ("tensor", "base", "eager"), ("tensor", "patch_dropout", ""), ("loader", "base", "")]
+    assert [(c["profile"], c["precision"], c["data"], c["variant"], c["twin"]) for c in report["cases"]] == [
+        ("ddp", "amp_bf16", "tensor", "base", ""), ("plain", "bf16", "tensor", "base", "eager"),
+        ("ddp", "amp_bf16", "loader", "base", ""),
+        ("zero2", "bf16", "tensor", "base", ""), ("zero2", "bf16", "tensor", "patch_dropout", ""),
+        ("zero2", "bf16", "loader", "base", "")]
+    assert report["config"]["precision"] == "amp_bf16, bf16" and report["config"]["left_out"] == []
     for r in report["cases"]:
         assert r["ok"], r
-        assert (r["profile"], r["precision"], r["world_size"]) == ("plain" if r["twin"] else "zero2", "bf16", 1)
+        assert r["world_size"] == 1
         assert r["parameters"] == psi
-        assert 1 <= r["timed_steps"] <= 2 and r["samples_per_s"] > 0
+        assert r["timed_steps"] == 2 and r["samples_per_s"] > 0
         assert math.isfinite(r["first_loss"]) and math.isfinite(r["final_loss"])
         assert r["mfu"] is None and r["peak_memory_bytes"] is None   # CPU: no peak FLOP/s, no CUDA memory
 
@@ -73,7 +81,8 @@ def test_the_pairs_are_the_quotients_of_their_cases(report):
     tensor, loader, variant = _case(report), _case(report, "loader"), _case(report, variant="patch_dropout")
     assert loader["case"] == tensor["case"] + "/loader" and variant["case"] == tensor["case"] + "/+patch_dropout"
     assert loader["loader_workers"] == 1 and loader["loader_cpu_s"] > 0 and 0 <= loader["data_wait_fraction"] <= 1
-    [pair] = report["loader_vs_tensor"]
+    ddp_pair, pair = report["loader_vs_tensor"]   # each profile's loader case with its own tensor case
+    assert ddp_pair["case"] == "tiny/ddp/amp_bf16/no-ac/micro8" and pair["case"] == tensor["case"]
     assert pair["loader_over_tensor"] == pytest.approx(loader["samples_per_s"] / tensor["samples_per_s"])
     assert variant["first_loss"] != tensor["first_loss"]   # the override reached the model
     [pair] = report["variants_vs_base"]
@@ -82,16 +91,24 @@ def test_the_pairs_are_the_quotients_of_their_cases(report):
 
 def test_the_twin_trained_the_same_model_on_the_same_batch_and_ours_is_read_against_it(report):
     """The plain loop's process built the same seeded model and the same uint8 batch: its first
-    loss (before any update) is ours up to bf16 rounding. ours_vs_twin is our rate over its rate,
-    and the results table shows it beside MFU."""
+    loss (before any update) is zero2/bf16's up to bf16 rounding (bf16 weights there), and it is
+    ddp/amp_bf16's, first and last, after the same 3 steps: the same recipe (fp32 weights under
+    autocast, the loss in fp32), the same clipping, AdamW and learning-rate schedule (the twin's is
+    the run's `steps` long, as ours). ours_vs_twin is our rate over its rate, and the results table
+    shows it beside MFU."""
     from benchmarks.results_tables.format import sig
     from benchmarks.results_tables.throughput import gpu as gpu_tables
 
-    ours, twin = _case(report), _case(report, twin="eager")
-    assert twin["case"] == "tiny/twin-eager/micro8" and twin["flops_per_sample"] == ours["flops_per_sample"]
+    ours, twin, ddp = _case(report), _case(report, twin="eager"), _case(report, profile="ddp")
+    assert twin["case"] == "tiny/twin-eager/bf16/micro8" and twin["flops_per_sample"] == ours["flops_per_sample"]
     assert math.isfinite(twin["first_loss"]) and math.isfinite(twin["final_loss"])
     assert twin["first_loss"] == pytest.approx(ours["first_loss"], rel=2e-3)
-    [pair] = report["ours_vs_twin"]   # the patch-dropout variant does other work: not paired
+    assert (twin["timed_steps"], ddp["timed_steps"]) == (2, 2)   # warm-up 1 + 2 timed: the final loss is step 3's
+    assert twin["first_loss"] == pytest.approx(ddp["first_loss"], rel=1e-5)
+    assert twin["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-4)
+    ddp_pair, pair = report["ours_vs_twin"]   # the patch-dropout variant does other work: not paired
+    assert ddp_pair["case"] == ddp["case"] and ddp_pair["precision"] == "amp_bf16"
+    assert ddp_pair["over_twin_eager"] == pytest.approx(ddp["samples_per_s"] / twin["samples_per_s"])
     assert pair["case"] == ours["case"] and pair["twin_compiled_samples_per_s"] is None
     assert pair["over_twin_eager"] == pytest.approx(ours["samples_per_s"] / twin["samples_per_s"])
     page = "\n".join(gpu_tables({"gpu_tiny.json": report}))
