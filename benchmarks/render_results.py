@@ -100,6 +100,19 @@ OLDER = "/path/to/older/checkout"
 PEAK = ("for p in zero1 zero2 zero2_offload zero3 zero3_offload; do for k in 1 4; do "
         + ds(2, "memory.per_rank", f"--preset git-rsclip-base --micro 2 --accumulation $k --profiles $p "
                                    f"--out {R}/peak/$p-$k.json") + "; done; done")
+BASE2 = "--preset git-rsclip-base --micro 2"
+PEAK_DDP = ("for k in 1 4; do "
+            + ds(1, "memory.per_rank", f"{BASE2} --accumulation $k --profiles ddp --threads 2 "
+                                       f"--out {R}/peak_ddp/ddp-$k.json")
+            + "; done; "
+            + ds(2, "memory.per_rank", f"{BASE2} --accumulation 1 --profiles ddp --out {R}/peak_ddp/ddp-w2-1.json"))
+PEAK_AMP = ("for k in 1 4; do "
+            + ds(1, "memory.per_rank", f"{BASE2} --precision amp_bf16 --accumulation $k --profiles ddp --threads 2 "
+                                       f"--out {R}/peak_amp_bf16/ddp-$k.json")
+            + " && "
+            + ds(2, "memory.per_rank", f"{BASE2} --precision amp_bf16 --accumulation $k --profiles zero2 "
+                                       f"--out {R}/peak_amp_bf16/zero2-$k.json")
+            + "; done")
 OPENCLIP = ("--open-clip runs/openclip-venv --profiles zero2 --repeats 3 --steps 60 --precisions fp32 bf16 bf16_masters "
             "--wait-quiet 120 --max-foreign 0.15")
 
@@ -133,24 +146,41 @@ THROUGHPUT = (
         Source("gpu_h200.json", py("gpu", f"--out {R}/gpu_h200.json")),
         Source("gpu_h200_loader.json", py("gpu", f"--profiles zero2 --ac off --data tensor loader "
                                                  f"--out {R}/gpu_h200_loader.json")),
-        Source("gpu_h200_openclip.json", py("gpu", f"--open-clip kit --model git-rsclip-base "
+        Source("gpu_h200_openclip.json", py("gpu", f"--open-clip kit --planner-pick --model git-rsclip-base "
+                                                   f"--openclip-precisions amp_bf16 --openclip-peers "
+                                                   f"--openclip-steps 20 --loader-workers 12 "
                                                    f"--out {R}/gpu_h200_openclip.json")),
         Source("gpu_h200_base.json", note="the GPU session's script: source .gpu/env.sh && bash "
-                                          "benchmarks/gpu_step.sh OUT (docs/benchmarks/gpu.md)"),
-        Source("gpu_h200_large.json", note="the same script's git-rsclip-large part"))),
-    Family("census", "Op census: aten ops per training step, ours per profile against the plain PyTorch twin",
-           census.census, (
+                                          "benchmarks/gpu_step.sh OUT (docs/benchmarks/gpu.md), its base and "
+                                          "zero parts"),
+        Source("gpu_h200_large.json", note="the same script's git-rsclip-large part"),
+        Source("gpu_h100_base.json", note="the same script on one H100: its base and zero parts"),
+        Source("gpu_h100_large.json", note="the same script on one H100: its git-rsclip-large part"),
+        Source("gpu_h100_openclip.json", note="the same script on one H100: its openclip part (the command of "
+                                              "gpu_h200_openclip.json)"))),
+    Family("census", "Op census: aten ops per optimizer step, ours per profile and precision against the plain "
+                     "PyTorch twin", census.census, (
         Source("census_base_before.json", note="the command below at commit f43a822, before bf16.check_grad_overflow and the one-rank overlap_comm"),
         Source("census_base_before_guard.json", note="the command below at commit b0cccf4 (this census.py, which "
                                                      "counts host syncs), before the non-finite step guard"),
+        Source("census_base_before_loop.json", note="the command below at commit 096682f: one train_step per "
+                                                    "subject, bf16 only; the twin's loss in bf16, at the peak lr"),
+        Source("census_base_before_44.json", note="the command below at commit e0523ed (the whole loop, bf16 "
+                                                  "only), before ddp, amp_bf16 and the guard's own norm"),
         Source("census_base.json", py("census", f"--out {R}/census_base.json")),
+        Source("census_base_compiled.json", py("census", f"--set compile.enabled=true "
+                                                         f"--out {R}/census_base_compiled.json")),
         Source("gpu_h200_census*.json", note="the same census on one H200 (CUDA), from the GPU script "
+                                             "(docs/benchmarks/gpu.md)"),
+        Source("gpu_h100_census*.json", note="the same census on one H100 (CUDA), from the GPU script "
                                              "(docs/benchmarks/gpu.md)"))),
 )
 
 MEMORY = (
     Family("memory", "Model states and activations per rank", memory.memory, (
-        Source("memory.json", ds(2, "memory.per_rank", f"--out {R}/memory.json")),)),
+        Source("memory.json", ds(2, "memory.per_rank", f"--out {R}/memory.json")),
+        Source("memory_amp_bf16.json", ds(2, "memory.per_rank", f"--precision amp_bf16 --profiles ddp zero2 zero3 "
+                                                                f"--out {R}/memory_amp_bf16.json")))),
     Family("memory-finetune", "Fine-tuning controls: a locked tower, LoRA", memory.memory_finetune, (
         Source("memory_lock_image.json", ds(2, "memory.per_rank", f"--set finetune.lock_image=true "
                                                                   f"--out {R}/memory_lock_image.json")),
@@ -162,7 +192,13 @@ MEMORY = (
     Family("memory-peak", "Peak memory per rank over an optimizer step", memory.memory_peak, (
         Source("peak/*.json", PEAK),
         Source("memory_peak_base.json", py("memory.per_rank", f"--combine {R}/peak/*.json "
-                                                              f"--out {R}/memory_peak_base.json")))),
+                                                              f"--out {R}/memory_peak_base.json")),
+        Source("peak_ddp/*.json", PEAK_DDP),
+        Source("memory_peak_base_ddp.json", py("memory.per_rank", f"--combine {R}/peak_ddp/*.json "
+                                                                  f"--out {R}/memory_peak_base_ddp.json")),
+        Source("peak_amp_bf16/*.json", PEAK_AMP),
+        Source("memory_peak_base_amp_bf16.json", py("memory.per_rank", f"--combine {R}/peak_amp_bf16/*.json "
+                                                                       f"--out {R}/memory_peak_base_amp_bf16.json")))),
     Family("build-rss", "Host memory of the model build: whole against zero.Init", memory.build_rss, (
         Source("build_rss.json", note=removed("benchmarks/memory/build.py",
                                               " (the --build-rss mode of that commit's memory/per_rank.py)")),)),
@@ -194,7 +230,10 @@ COMMS = (
         Source("comms_w3.json", ds(3, "comms.traffic", f"--out {R}/comms_w3.json")),
         Source("comms_w2_bucket1m.json",
                ds(2, "comms.traffic", f"--profiles zero1 zero2 zero3 --modes plain --bucket 1000000 "
-                                      f"--out {R}/comms_w2_bucket1m.json")))),
+                                      f"--out {R}/comms_w2_bucket1m.json")),
+        Source("comms_w2_amp_bf16.json",
+               ds(2, "comms.traffic", f"--precision amp_bf16 --profiles ddp zero1 zero2 zero3 --accumulation 1 4 "
+                                      f"--modes plain --out {R}/comms_w2_amp_bf16.json")))),
     Family("comms-hpz", "Hybrid ZeRO-3: hpZ on 4 ranks", comms.comms_hpz, (
         Source("comms_w4_hpz.json", ds(4, "comms.traffic", "--profiles zero3+hpz2 zero3 --hidden 256 "
                                                            f"--out {R}/comms_w4_hpz.json")),)),
