@@ -8,7 +8,7 @@ a GPU shows here that it removes work.
     python -m benchmarks.census --model tiny --profiles zero2 --precisions bf16 --out /tmp/census.json   # seconds
 
 What is counted is the loop's whole optimizer step, not the step function alone. Ours runs the
-real loop (Trainer.train -> rsclip_ds.train.train: the step guard, the sync of the losses and the
+real loop (Trainer.train -> rsclip_ds.loop.train: the step guard, the sync of the losses and the
 stop flag at log steps, the metrics line), the twin benchmarks.twin.plain_train (its log step
 reads the mean loss with one `.item()`), both with a log step every --steps (K, default 10: the
 runs' default logging.log_every, so a window holds one sync point, as every 10 steps of a run
@@ -358,7 +358,7 @@ def _count_subject(kind: str, precision: str, args) -> dict:
                              compiled=run.compile.enabled, steps=run.steps, loss=run.loss.name)
             logged = plain_train(loop, iter(windows), windows.total, run.logging.log_every)
             return {**windows.record(), "logged_losses": logged}
-        from rsclip_ds.trainer import Trainer
+        from rsclip_ds.assembly import Trainer
 
         with Trainer(run, model=bundle, loader=windows) as trainer:
             summary = trainer.train()
@@ -477,15 +477,15 @@ def argparse_suppress():
 
 def subjects_of(args) -> list[str]:
     """The twin of each precision, then each profile under each precision (a profile's rows side by side),
-    less the pairs a run refuses (ddp with bf16 weights: profiles.build_ds_config)."""
+    less the pairs a run refuses (resolve: ddp with bf16 weights, amp under ZeRO)."""
     from rsclip_ds.config import ConfigError, load_config
-    from rsclip_ds.profiles import build_ds_config, load_profile
-    from rsclip_ds.runtime.distributed import accelerator_is_gpu
+    from rsclip_ds.profiles import load_profile
+    from rsclip_ds.resolve import Device, World, resolve
 
     def runs(profile: str, precision: str) -> bool:
         try:
-            build_ds_config(load_config(None, [f"profile={profile}", f"precision={precision}", *args.set]),
-                            load_profile(profile), 1, on_gpu=accelerator_is_gpu(), local_world_size=1)
+            resolve(load_config(None, [f"profile={profile}", f"precision={precision}", *args.set]),
+                    load_profile(profile), World(1, 1), Device.current())
         except ConfigError:
             return False
         return True

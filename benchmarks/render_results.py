@@ -143,15 +143,15 @@ THROUGHPUT = (
     Family("compile", "Compilation: eager against compiled per profile", throughput.compile_profiles, (
         Source("compile.json", note=removed("benchmarks/throughput/compile.py")),)),
     Family("gpu", "One GPU: samples/s, MFU, peak memory", throughput.gpu, (
-        Source("gpu_h200.json", py("gpu", f"--out {R}/gpu_h200.json")),
-        Source("gpu_h200_loader.json", py("gpu", f"--profiles zero2 --ac off --data tensor loader "
+        Source("gpu_h200.json", py("gpu.run", f"--out {R}/gpu_h200.json")),
+        Source("gpu_h200_loader.json", py("gpu.run", f"--profiles zero2 --ac off --data tensor loader "
                                                  f"--out {R}/gpu_h200_loader.json")),
-        Source("gpu_h200_openclip.json", py("gpu", f"--open-clip kit --planner-pick --model git-rsclip-base "
+        Source("gpu_h200_openclip.json", py("gpu.run", f"--open-clip kit --planner-pick --model git-rsclip-base "
                                                    f"--openclip-precisions amp_bf16 --openclip-peers "
                                                    f"--openclip-steps 20 --loader-workers 12 "
                                                    f"--out {R}/gpu_h200_openclip.json")),
         Source("gpu_h200_base.json", note="the GPU session's script: source .gpu/env.sh && bash "
-                                          "benchmarks/gpu_step.sh OUT (docs/benchmarks/gpu.md), its base and "
+                                          "benchmarks/gpu/step.sh OUT (docs/benchmarks/gpu.md), its base and "
                                           "zero parts"),
         Source("gpu_h200_large.json", note="the same script's git-rsclip-large part"),
         Source("gpu_h100_base.json", note="the same script on one H100: its base and zero parts"),
@@ -263,7 +263,7 @@ FAULTS = (
 )
 
 PAGES = (
-    Page("throughput.md", "Throughput", "`benchmarks/throughput/`, `benchmarks/gpu.py` and removed one-off scripts",
+    Page("throughput.md", "Throughput", "`benchmarks/throughput/`, `benchmarks/gpu/` and removed one-off scripts",
          THROUGHPUT),
     Page("memory.md", "Memory", "`benchmarks/memory/` and removed one-off scripts", MEMORY),
     Page("data.md", "Data", "`benchmarks/data/` and removed one-off scripts", DATA),

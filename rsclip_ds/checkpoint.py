@@ -279,7 +279,7 @@ def consolidated_state_dict(path: str | Path) -> tuple[RunConfig, dict[str, torc
     if not any((root / tag).glob("*zero_pp_rank_*")):   # stage 0: the module, whole, is the state
         with weights_only_loads():
             module = torch.load(whole, map_location="cpu")["module"]
-        # stage 0 trains fp32 weights (fp32, amp_bf16, amp: profiles.build_ds_config refuses 16-bit ones there)
+        # stage 0 trains fp32 weights (fp32, amp_bf16, amp: resolve.py refuses 16-bit ones there)
         return run, {k: v.float() for k, v in module.items() if v.is_floating_point()}
     with weights_only_loads():
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
@@ -313,9 +313,7 @@ class Checkpointer:
         self.write_extras = write_extras
         self.kill_in_save_at = kill_in_save_at
         self.enospc_in_save_at = enospc_in_save_at
-        self.enospc_rank = world_size - 1 if enospc_rank is None else enospc_rank
-        if not 0 <= self.enospc_rank < world_size:
-            raise ConfigError(f"faults.inject_enospc_rank={enospc_rank}, but the run has {world_size} rank(s)")
+        self.enospc_rank = world_size - 1 if enospc_rank is None else enospc_rank   # resolve.py checked it
         self.expected_bytes = expected_bytes
         self.saved: list[str] = []
 

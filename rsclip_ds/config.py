@@ -3,6 +3,12 @@
 Every field carries a description; unknown keys are rejected. ``load_config`` is the only
 entry point, and it fails (``ConfigError``) before any process group exists, naming the key
 and what is allowed. ``rsclip-ds show-config`` prints the whole tree with descriptions.
+
+The sections of the model, loss, data, batch, optimizer, fine-tuning, logging, evaluation and
+checkpoints are here; a section that belongs to one module lives beside what it configures:
+`fp16` and `bf16` in precision.py, `faults` in faults.py, `distributed` in runtime/distributed.py,
+`compile` in runtime/compilation.py, `distill` in distill/config.py. The schema checks what a
+config says on its own; what needs the profile, the world or the device is resolve.py's.
 """
 
 from __future__ import annotations
@@ -17,13 +23,11 @@ from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
 from rsclip_ds.distill.config import DistillConfig
-from rsclip_ds.precision import PrecisionChoice
+from rsclip_ds.faults import FaultConfig
+from rsclip_ds.precision import Bf16Config, Fp16Config, PrecisionChoice
 from rsclip_ds.runtime.compilation import CompileConfig
-from rsclip_ds.runtime.settings import Bf16Config, DistributedConfig, FaultConfig, Fp16Config, Strict
-
-
-class ConfigError(ValueError):
-    """A run config, profile or batch setting that cannot work; the message names the fix."""
+from rsclip_ds.runtime.distributed import DistributedConfig
+from rsclip_ds.runtime.settings import ConfigError, Strict
 
 
 class ModelConfig(Strict):

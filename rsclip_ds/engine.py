@@ -31,21 +31,6 @@ def lr_scheduler(warmup: int, total: int, min_ratio: float) -> Callable[[torch.o
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def drop_unsafe_leaf_modules(model, ds_config: dict[str, Any]) -> list[str]:
-    """Remove the zero3 profiles' leaf_module classes from ``ds_config`` (in place) where the model
-    has a layer unsafe_zero3_leaves names; -> those layers (empty: the config is left alone). ZeRO-3
-    then hooks every submodule, as without leaf modules: slower on the host, the same math."""
-    from rsclip_ds.runtime.layers import unsafe_zero3_leaves
-
-    zero = ds_config.get("zero_optimization", {})
-    if zero.get("stage") != 3 or not zero.get("leaf_module"):
-        return []
-    unsafe = unsafe_zero3_leaves(model)
-    if unsafe:
-        del zero["leaf_module"]
-    return unsafe
-
-
 def build_engine(model: nn.Module, ds_config: dict[str, Any], param_groups: list[dict[str, Any]] | None = None,
                  schedule: Callable[[torch.optim.Optimizer], Any] | None = None):
     """Returns the DeepSpeed engine (the optimizer comes from ds_config, the learning-rate

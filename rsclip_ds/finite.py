@@ -23,7 +23,7 @@ step, no kernel), and for a non-finite one hides every gradient from the inner o
 AdamW and DeepSpeed's skip a parameter without one: no moment, step count or weight decay moves)
 and tells the engine the step overflowed, which is what DeepSpeed's own skip does. At ZeRO-1/2 it
 also clips, in every precision but fp16, in place of DeepSpeed's clipping, which reads the norm on
-the host once per parameter group (profiles.build_ds_config then gives DeepSpeed gradient_clipping
+the host once per parameter group (resolve.py then gives DeepSpeed gradient_clipping
 0): one host sync a step instead of one per group, or none where DeepSpeed tests the norm itself.
 
 **Writing.** `nonfinite_tensors(engine)` tests what a rank would write -- the module's weights as
@@ -36,15 +36,16 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterable, Literal
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
-from rsclip_ds.config import ConfigError
 from rsclip_ds.runtime.rank_errors import RunStopped
+
+if TYPE_CHECKING:
+    from rsclip_ds.resolve import GuardPlan
 
 log = logging.getLogger("rsclip_ds")
 
@@ -57,69 +58,6 @@ class NonFiniteWeights(RunStopped):
     it would write or load; nothing was written (docs/reference/exit-codes.md)."""
     exit_code = 8
     shared = said_by_rank0 = True   # agreed through one gather: every rank raises the same message
-
-
-# --------------------------------------------------------------------------- who guards
-
-@dataclass(frozen=True)
-class GuardPlan:
-    """Who skips a step whose gradient norm is not finite (`skips`), who clips (`clips`) and who computes the
-    norm (`norm`): 'deepspeed', its optimizer, or 'rsclip', the StepGuard (DeepSpeed's gradient_clipping is
-    then 0; its zero_optimization.compute_grad_norm false where rsclip_ds computes the norm)."""
-    skips: Literal["deepspeed", "rsclip"]
-    clips: Literal["deepspeed", "rsclip"]
-    reason: str
-    norm: Literal["deepspeed", "rsclip"] = "deepspeed"
-
-    @property
-    def ours(self) -> bool:
-        """Whether a StepGuard is installed: it skips, clips, or both."""
-        return "rsclip" in (self.skips, self.clips)
-
-
-def plan_guard(precision: str, stage: int, *, check_grad_overflow: bool, grad_accum: str, offload: bool,
-               compute_grad_norm: bool, profile: str) -> GuardPlan:
-    """The guard of a run (the table in the module docstring; amp_bf16 keeps fp32 weights, so DeepSpeed
-    treats it as fp32). At ZeRO-1/2 without offload rsclip_ds computes the norm too (DeepSpeed's
-    compute_grad_norm off), so a profile's compute_grad_norm=false is what it runs anyway; with offload,
-    where DeepSpeed refuses it, it is a ConfigError naming the fix."""
-    if precision == "fp16":
-        return GuardPlan("deepspeed", "deepspeed", "fp16: DeepSpeed's loss scaler tests every gradient and skips the step")
-    if precision == "amp":   # stage 0 only (profiles.build_ds_config refuses it under ZeRO)
-        return GuardPlan("rsclip", "rsclip", "amp at stage 0: DeepSpeed's torch GradScaler hands the fused AdamW its "
-                                             "scale and skips on device without telling the engine; rsclip_ds reads "
-                                             "the unscaled norm once per step, skips such a step (the scaler still "
-                                             "halves its scale) and clips")
-    if stage == 3:
-        return GuardPlan("deepspeed", "deepspeed", "ZeRO-3 tests the step's gradient norm and skips the step")
-    if stage == 0:   # fp32, amp_bf16 (bf16 and fp16 are refused there: profiles.build_ds_config)
-        return GuardPlan("rsclip", "rsclip", f"stage 0 {precision}: DeepSpeed steps torch's AdamW as it is; "
-                                             f"rsclip_ds computes the norm (one foreach norm), clips and skips")
-    if not offload and not check_grad_overflow and not (precision == "bf16" and stage == 1 and grad_accum == "fp32"):
-        # DeepSpeed's ZeRO-1/2 norm casts every gradient tensor to fp64 and takes its norm one by one (two ops and
-        # 10 bytes per element a step); its clipping reads the norm on the host once per parameter group
-        return GuardPlan("rsclip", "rsclip", f"ZeRO-{stage} {precision}: rsclip_ds computes the gradient norm (one "
-                                             f"foreach norm over the partition, in fp32), reads it once per step, "
-                                             f"skips a step whose norm is not finite and clips, in DeepSpeed's "
-                                             f"place", norm="rsclip")
-    ours_clip = ("rsclip_ds clips in DeepSpeed's place with its formula (DeepSpeed's clipping reads the norm on the "
-                 "host once per parameter group)")
-    if not compute_grad_norm and offload:   # under offload the norm is DeepSpeed's (rsclip_ds computes none)
-        raise ConfigError(f"profile {profile} sets zero_optimization.compute_grad_norm=false with optimizer offload, "
-                          f"which DeepSpeed refuses and where nothing else would test the gradients: remove "
-                          f"compute_grad_norm from the profile")
-    if precision in ("fp32", "amp_bf16"):
-        return GuardPlan("deepspeed", "rsclip", f"ZeRO-{stage} {precision} (fp32 weights): DeepSpeed tests the "
-                                                f"step's gradient norm and skips the step; {ours_clip}")
-    if check_grad_overflow:
-        return GuardPlan("deepspeed", "deepspeed", "bf16.check_grad_overflow=true: DeepSpeed tests every gradient "
-                                                   "tensor and the norm, and clips")
-    if stage == 1 and grad_accum == "fp32" and not offload:
-        return GuardPlan("deepspeed", "deepspeed", "ZeRO-1 bf16 with fp32 accumulation runs DeepSpeed's "
-                                                   "BF16_Optimizer, which tests the norm")
-    return GuardPlan("rsclip", "rsclip", f"ZeRO-{stage} bf16: DeepSpeed applies a step whose norm is not finite "
-                                         f"unless its per-tensor check is on; rsclip_ds reads the norm once per step "
-                                         f"and skips such a step; {ours_clip}")
 
 
 # --------------------------------------------------------------------------- skipping
@@ -156,7 +94,7 @@ class StepGuard:
 
     def _before(self, optimizer, args, kwargs) -> None:
         norm = self._norm_of()
-        if norm is None:   # plan_guard refuses the configurations without a norm; never guard blind
+        if norm is None:   # resolve.plan_guard refuses the configurations without a norm; never guard blind
             raise RuntimeError("the non-finite guard found no gradient norm for this step (DeepSpeed computed none): "
                                "the run would apply inf/NaN gradients. Remove "
                                "zero_optimization.compute_grad_norm=false")

@@ -327,7 +327,7 @@ def save_pretrained(model: DualEncoder, tokenizer, out_dir: Path, mean=IMAGE_MEA
 #
 # The subset is drawn from torch's generator of the embeddings' device (the CPU's, or the current
 # CUDA device's), the generators 'global' accumulation saves before its cached pass and restores
-# before the replay (train.train_step_global): both passes keep the same patches.
+# before the replay (train.global_optimizer_step): both passes keep the same patches.
 #
 # `PatchDropoutSwitch` is a train-loop hook that turns it off for the last N optimizer steps
 # (the unmasked phase FLIP ends with; open_clip's `--force-patch-dropout 0`).

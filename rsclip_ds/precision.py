@@ -1,5 +1,5 @@
 """The training precisions and what each one keeps in which dtype: one table for the DeepSpeed config,
-the planner, the guard and the start-up lines.
+the planner, the guard and the start-up lines; and the run config's `fp16` and `bf16` sections.
 
 - `fp32`: fp32 weights, gradients and matmuls; no DeepSpeed section.
 - `bf16` / `fp16`: 16-bit weights, gradients and matmuls, fp32 masters in the optimizer (DeepSpeed's
@@ -19,6 +19,10 @@ and bias stay fp32 everywhere, and the loss is computed outside the engine's for
 from __future__ import annotations
 
 from typing import Literal
+
+from pydantic import Field
+
+from rsclip_ds.runtime.settings import Strict
 
 Precision = Literal["fp32", "bf16", "fp16", "amp_bf16", "amp"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16", "amp_bf16", "amp")
@@ -74,3 +78,35 @@ def resolve_precision(choice: str, stage: int, bf16_supported: bool = True) -> t
     picked = "bf16" if bf16_supported else "fp16"
     return picked, (f"auto: {picked} under ZeRO-{stage} -- 16-bit weights and gradients, fewer bytes a step than "
                     f"amp_bf16's fp32 gradients there")
+
+
+# --------------------------------------------------------------------------- the run config's sections
+
+class Fp16Config(Strict):
+    initial_scale_power: int = Field(16, ge=0, le=32, description="fp16 only: initial loss scale is 2**this.")
+    loss_scale_window: int = Field(1000, ge=1, description="fp16 only: overflow-free steps before the scale grows.")
+    hysteresis: int = Field(2, ge=1, description="fp16 only: overflows tolerated before the scale shrinks.")
+    min_loss_scale: float = Field(1.0, gt=0, description="fp16 only: the scale never goes below this.")
+
+
+class Bf16Config(Strict):
+    master_weights: Literal["fp32", "bf16"] = Field(
+        "fp32", description="bf16 only: the dtype of the optimizer's master weights and of AdamW's m and v. "
+        "'fp32': DeepSpeed's mixed precision (an fp32 master copy and fp32 states, 16 bytes per trainable "
+        "parameter with the bf16 weight and gradient). 'bf16': open_clip's pure_bf16, DeepSpeed's "
+        "bf16_master_weights_and_grads + bf16_optimizer_states: no fp32 copy, 10 bytes per trainable "
+        "parameter (DeepSpeed keeps a bf16 master beside the bf16 weight), but an update below half a bf16 "
+        "step of its weight is lost (docs/guides/precision.md: profiles, bytes, measured quality). ZeRO-1/2/3; the "
+        "offload profiles need optim.impl=deepspeed on CPU ranks.")
+    grad_accum_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="bf16 only: the dtype DeepSpeed accumulates gradients in across micro-batches "
+        "(its `data_types.grad_accum_dtype`). 'fp32' keeps the sum in fp32 (ZeRO-1 then runs DeepSpeed's "
+        "BF16_Optimizer, with a whole fp32 gradient copy per GPU; ZeRO-2/3 an fp32 gradient partition); "
+        "'bf16' sums in bf16. 'auto': fp32 for ZeRO-2 and ZeRO-3, bf16 for ZeRO-1 and ZeRO-2 with optimizer "
+        "offload, where fp32 costs GPU memory the others do not pay (docs/guides/precision.md: the measurement, "
+        "the rule and the bytes); bf16 with master_weights=bf16.")
+    check_grad_overflow: bool = Field(
+        False, description="bf16 only: DeepSpeed's per-gradient overflow check (amax, amin and isfinite on every "
+        "gradient tensor and a host sync, each step: docs/results/throughput.md#census). A step whose gradient norm "
+        "is not finite is skipped either way (docs/guides/precision.md#non-finite-steps): off, at ZeRO-1/2 by "
+        "rsclip_ds's step guard, from the norm DeepSpeed computed; on, by DeepSpeed.")

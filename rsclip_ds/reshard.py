@@ -6,11 +6,11 @@
             zero/optimizer_state.pt, *model_states.pt           common optimizer state, DeepSpeed's
             rsclip_universal.json                               written last: a complete conversion
 
-Trainer.build sees the saved world size before it builds the engine (`needs_universal`) and
-builds it from `universal_ds_config`; `load_resharded` then converts on rank 0 (once), waits
-for it on every rank, loads the new partitions, repairs what DeepSpeed 0.19.8's ZeRO-3 load
-gets wrong and makes each new rank's client state (docs/guides/checkpoints.md, "Resume on another
-number of ranks").
+Trainer.build reads the saved world size before it builds the engine (`saved_run`; resolve.py's
+resume plan then says 'universal' and the engine's DeepSpeed config loads that format);
+`load_resharded` then converts on rank 0 (once), waits for it on every rank, loads the new
+partitions, repairs what DeepSpeed 0.19.8's ZeRO-3 load gets wrong and makes each new rank's
+client state (docs/guides/checkpoints.md, "Resume on another number of ranks").
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 from rsclip_ds.checkpoint import (HISTORY, RANK_FILE, UNIVERSAL_DIR, UNIVERSAL_DONE, Checkpointer, _atomic_write,
                                   _safe_globals, load_meta, resume_tag, weights_only_loads)
 from rsclip_ds.config import ConfigError
+from rsclip_ds.resolve import SavedRun
 from rsclip_ds.runtime.storage import decide_on_rank0, fsync_dir
 
 log = logging.getLogger("rsclip_ds")
@@ -41,13 +42,14 @@ def load_resharded(checkpointer: Checkpointer, engine, resume: str) -> dict[str,
     ``checkpointer``'s, on this run's ranks -> this rank's client state (as Checkpointer.load).
     Rank 0 converts the tag to DeepSpeed's universal format (once; a complete conversion is
     reused), then every rank loads its new partition from it. The engine must have been built
-    from universal_ds_config."""
+    from the DeepSpeed config of a run resolved with this checkpoint (its resume plan 'universal')."""
     ck = checkpointer
     tag = resume_tag(ck.root, resume)
     if tag is None:
         raise ConfigError(f"--resume {resume}: no complete checkpoint in {ck.root}")
-    saved_world = load_meta(ck.root, tag)["world_size"]
-    if not zero_partitioned(ck.root / tag):   # stage 0: every rank's file holds everything, whatever the world
+    saved = saved_run(ck.root, tag)
+    saved_world = saved.world_size
+    if not saved.partitioned:   # stage 0: every rank's file holds everything, whatever the world
         with weights_only_loads():
             path, client = engine.load_checkpoint(str(ck.root), tag=tag)
         if path is None:
@@ -59,8 +61,9 @@ def load_resharded(checkpointer: Checkpointer, engine, resume: str) -> dict[str,
         return resharded_client_state(ck.root / tag, saved_world, ck.rank, step, ck.run_config.get("seed", 0))
     if not engine.load_universal_checkpoint():
         raise ConfigError(f"checkpoint {tag} was written by {saved_world} ranks, this run has {ck.world_size}: "
-                          f"build the engine from universal_ds_config(...) to load it through DeepSpeed's "
-                          f"universal format (Trainer.build does)")
+                          f"build the engine from deepspeed_config(resolve(..., saved=saved_run(root, tag))) "
+                          f"(its checkpoint.load_universal) to load it through DeepSpeed's universal format "
+                          f"(Trainer.build does)")
     seconds = convert_on_rank0(ck.root, tag, saved_world, ck.world_size)   # on disk before any rank reads it
     folder = ck.root / tag / UNIVERSAL_DIR
     with weights_only_loads():
@@ -94,27 +97,12 @@ def convert_on_rank0(root: Path, tag: str, saved_world: int, world_size: int) ->
     return decide_on_rank0(convert)
 
 
-def universal_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the DeepSpeed config that loads checkpoints in the universal format. DeepSpeed
-    reads `checkpoint.load_universal` once, in deepspeed.initialize: decide before the engine."""
-    return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
-
-
-def other_world(root: Path, tag: str | None, world_size: int) -> bool:
-    """Whether ``tag`` was written by another number of ranks than ``world_size`` (load_resharded loads it)."""
-    return tag is not None and load_meta(root, tag).get("world_size") != world_size
-
-
-def zero_partitioned(tag_dir: Path) -> bool:
-    """Whether a tag holds ZeRO partitions (DeepSpeed's zero_pp_rank_* files): a stage-0 tag has only the
-    whole model and optimizer state (mp_rank_00_model_states.pt), which any number of ranks loads."""
-    return any(Path(tag_dir).glob("*zero_pp_rank_*"))
-
-
-def needs_universal(root: Path, tag: str | None, world_size: int) -> bool:
-    """Whether resuming ``tag`` on ``world_size`` ranks goes through the universal format: ZeRO
-    partitions written by another number of ranks."""
-    return other_world(root, tag, world_size) and zero_partitioned(Path(root) / tag)
+def saved_run(root: Path, tag: str) -> SavedRun:
+    """What a tag's files say about the run that wrote it, for resolve.py's resume plan: its number of ranks
+    and whether it holds ZeRO partitions (DeepSpeed's zero_pp_rank_* files; a stage-0 tag has only the whole
+    model and optimizer state, mp_rank_00_model_states.pt, which any number of ranks loads)."""
+    return SavedRun(tag, int(load_meta(root, tag).get("world_size", 1)),
+                    partitioned=any((Path(root) / tag).glob("*zero_pp_rank_*")))
 
 
 def convert_to_universal(root: Path, tag: str, workers: int = 1) -> float:

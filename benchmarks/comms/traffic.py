@@ -10,12 +10,12 @@
 For every profile in ds_profiles/ (a copy with DeepSpeed's comms logger switched on:
 `"comms_logger": {"enabled": true, "prof_all": true}`; --bucket also shrinks its bucket sizes)
 and every case (accumulation 1; accumulation 4 with the 'plain' and the 'global' loop), the
-process builds the run `rsclip_ds.trainer.Trainer` builds (model through the `model=` seam: a
+process builds the run `rsclip_ds.assembly.Trainer` builds (model through the `model=` seam: a
 SigLIP of two 2-layer towers, hidden --hidden, ~9.5M parameters at 384, whose 1024 x 384 and
 larger matrices are above ZeRO-3's persistence threshold and its biases below it; random
 batches through `loader=`), runs one optimizer step (ZeRO-3 records its parameter trace; the
 engine's initial broadcasts happened in the build), clears the log, then runs --steps optimizer
-steps with `rsclip_ds.train.optimizer_step` (the train loop's own step) and divides by --steps:
+steps with `rsclip_ds.loop.optimizer_step` (the train loop's own step) and divides by --steps:
   logged    DeepSpeed's comms logger (`deepspeed.comm.comms_logger.get_raw_data()`): every
             collective DeepSpeed issues through deepspeed.comm, as message bytes (the size of
             the tensor argument: all-reduce / reduce-scatter input, all-gather this rank's shard)
@@ -64,8 +64,8 @@ from rsclip_ds.hub import ModelSource
 from rsclip_ds.model import IMAGE_MEAN, IMAGE_STD, ModelBundle, new_dual_encoder
 from rsclip_ds.planning.memory import autocast_elements
 from rsclip_ds.profiles import load_profile, runnable_profiles
-from rsclip_ds.train import optimizer_step
-from rsclip_ds.trainer import Trainer
+from rsclip_ds.loop import optimizer_step
+from rsclip_ds.assembly import Trainer
 
 TOL = 0.05
 IMAGE, PATCH, TOKENS, VOCAB = 32, 8, 16, 1000

@@ -115,7 +115,7 @@ def run_case(rank: int, out: Path, tokenizer, profile: str, precision: str, valu
     from rsclip_ds.checkpoint import complete_tags
     from rsclip_ds.config import load_config
     from rsclip_ds.model import preset_bundle
-    from rsclip_ds.trainer import Trainer
+    from rsclip_ds.assembly import Trainer
 
     fault = ["faults.inject_nan_at_step=2", "faults.inject_nan_steps=1", f"faults.inject_nan_value={value}",
              "faults.inject_rank=0"] if value else ["checkpoint.stop_after=3"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rsclip_ds.train import _inputs
+from rsclip_ds.loop import _inputs
 
 
 class Ledger:
@@ -124,7 +124,7 @@ class SavedActivations:
 
 
 def measured_step(engine, batch, loss_fn, dtype, stage: int, places: dict, checkpointing: bool):
-    """train_step split open: count saved activations in forward (and the recompute in
+    """micro_batch_step split open: count saved activations in forward (and the recompute in
     backward), gradients between backward and step, parameters and optimizer after step."""
     # the first submodule of each encoder layer: the layer's own pre-hooks do not fire when
     # reentrant checkpointing recomputes it in backward, its submodules' do

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rsclip_ds.engine import engine_dtype
-from rsclip_ds.train import train_step
+from rsclip_ds.loop import micro_batch_step
 
 MMAP_THRESHOLD, TRIM_THRESHOLD = -3, -1   # glibc mallopt parameters (malloc.h)
 
@@ -69,7 +69,7 @@ def measured_peak(engine, batches, loss_fn, accumulation: int, on_gpu: bool, bas
     """Two optimizer steps of `accumulation` micro-steps each; the second one measured."""
     dtype = engine_dtype(engine)
     for _ in range(accumulation):                  # first step: optimizer state, ZeRO-3's trace
-        train_step(engine, next(batches), loss_fn, dtype)
+        micro_batch_step(engine, next(batches), loss_fn, dtype)
     batch = [next(batches) for _ in range(accumulation)]
     if on_gpu:
         torch.cuda.synchronize()
@@ -79,7 +79,7 @@ def measured_peak(engine, batches, loss_fn, accumulation: int, on_gpu: bool, bas
     dist.barrier()
     t0 = time.perf_counter()
     for b in batch:
-        train_step(engine, b, loss_fn, dtype)
+        micro_batch_step(engine, b, loss_fn, dtype)
     seconds = time.perf_counter() - t0
     if on_gpu:
         torch.cuda.synchronize()

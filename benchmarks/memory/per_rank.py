@@ -22,7 +22,7 @@ Writes the JSON given by --out and a PNG beside it (same name, .png); rank 0 pri
 On 2 CPU ranks of a 2-core machine the tiny preset takes ~1 minute, mostly engine builds.
 
 For every profile in ds_profiles/ the process builds the engine, loss and activation
-checkpointing a run gets (`rsclip_ds.trainer.Trainer(run, model=..., loader=...).build()`; the
+checkpointing a run gets (`rsclip_ds.assembly.Trainer(run, model=..., loader=...).build()`; the
 model is `rsclip_ds.model.preset_bundle` with the preset's own vocabulary, as `memory.preset_spec`
 counts it, built as a run builds it: partitioned inside deepspeed.zero.Init under ZeRO-3; the
 loader is this script's random batches of the preset's shapes), runs --steps train steps on
@@ -104,8 +104,8 @@ from rsclip_ds.engine import engine_dtype
 from rsclip_ds.model import preset_bundle
 from rsclip_ds.precision import PRECISIONS
 from rsclip_ds.profiles import available_profiles, runnable_profiles
-from rsclip_ds.train import train_step
-from rsclip_ds.trainer import Trainer
+from rsclip_ds.loop import micro_batch_step
+from rsclip_ds.assembly import Trainer
 
 MODEL_TOL, ACT_TOL, PEAK_TOL = 0.10, 0.15, 0.15
 ROLES = ("params", "grads", "optimizer")
@@ -151,7 +151,7 @@ def run_profile(name: str, args, on_gpu: bool) -> dict:
                 batch = next(batches)
                 dist.barrier()
                 t0 = time.perf_counter()
-                train_step(engine, batch, parts.loss_fn, dtype)
+                micro_batch_step(engine, batch, parts.loss_fn, dtype)
                 times.append(time.perf_counter() - t0)
             held, persistent, act, act_parts = measured_step(engine, next(batches), parts.loss_fn, dtype,
                                                              prof.stage, places, parts.activation_checkpointing)

@@ -1,5 +1,5 @@
 """Sections of docs/results/throughput.md: benchmarks/throughput/ (against open_clip's trainer),
-benchmarks/gpu.py, and the JSON of removed one-off scripts (our loop against a bare DeepSpeed loop
+benchmarks/gpu/run.py, and the JSON of removed one-off scripts (our loop against a bare DeepSpeed loop
 and the Hugging Face Trainer; patch dropout, distillation, compilation on CPU ranks)."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def throughput(files: dict) -> list[str]:
 
 
 def openclip_tables(rep: dict) -> list[str]:
-    """The open_clip comparison (throughput/openclip.py, gpu.py --open-clip): a row per case, the
+    """The open_clip comparison (throughput/openclip.py, gpu/run.py --open-clip): a row per case, the
     paired ratios ("rsclip_ds/... / open_clip/...") beside the rsclip_ds case they belong to."""
     c, m, s = rep["config"], rep["models"], rep["summary"]
     out = [f"Shape {c['shape']} ({m['rsclip_ds_parameters']:,} parameters in rsclip_ds, "
@@ -115,7 +115,7 @@ def _gpu_cases(rep: dict) -> list[str]:
 
 
 def gpu(files: dict) -> list[str]:
-    """benchmarks/gpu.py's reports: its cases (and the loader, variant, twin and hybrid pairings
+    """benchmarks/gpu/run.py's reports: its cases (and the loader, variant, twin and hybrid pairings
     when run), or, from --open-clip, the open_clip comparison."""
     if not files:
         return ["Not measured yet: none of these files is in `benchmarks/results/`.", ""]

@@ -91,7 +91,7 @@ TINY = Bench("tiny", steps=8, repeats=1, skip=3, micro=8, ranks=2, workers=1, th
 
 def one_rank_bench(shape: str, micro: int, steps: int, workers: int, timeout_s: float, device: str,
                    checkpointing: bool = False) -> Bench:
-    """benchmarks/gpu.py --open-clip: one rank (a GPU; a CPU rank in its smoke test). The first
+    """benchmarks/gpu/run.py --open-clip: one rank (a GPU; a CPU rank in its smoke test). The first
     quarter of the steps is left out (CUDA context, allocator and kernel selection warm up); the
     shards hold every sample the run trains on, at least one shard per loader worker (open_clip
     asserts it). `checkpointing`: both sides recompute the forward (the planner's pick may ask for it)."""
@@ -114,7 +114,7 @@ class Inputs:
 
 
 def check_venv(venv: Path) -> Path:
-    if venv == KIT:   # the GPU kit (benchmarks/gpu.py --open-clip kit)
+    if venv == KIT:   # the GPU kit (benchmarks/gpu/run.py --open-clip kit)
         if not os.path.isdir(os.environ.get("OPENCLIP_PYTHONPATH", "")):
             raise SystemExit("--open-clip kit: OPENCLIP_PYTHONPATH names no folder; start the command with "
                              "`source .gpu/env.sh &&` (the kit: bash ../shared/gpu/kit.sh)")

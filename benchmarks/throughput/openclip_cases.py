@@ -33,7 +33,7 @@ OPENCLIP_PRECISIONS = ("fp32", "amp_bf16", "pure_bf16")
 # and optimizer state as DeepSpeed's bf16 does (fp32 masters); pure_bf16 holds bf16 weights and
 # AdamW states, no fp32 copy: less work per step, another numerical recipe. rsclip_ds's amp_bf16
 # is open_clip's recipe itself (fp32 weights, the forward under torch.autocast in bf16): the
-# planner's pick on one GPU (ddp, amp_bf16; benchmarks/gpu.py --planner-pick).
+# planner's pick on one GPU (ddp, amp_bf16; benchmarks/gpu/run.py --planner-pick).
 PAIRED = {"fp32": ("fp32",), "bf16": ("amp_bf16", "pure_bf16"), "bf16_masters": ("pure_bf16",),
           "amp_bf16": ("amp_bf16",)}
 # rsclip_ds's pure-bf16 recipe: bf16 masters and AdamW states (docs/guides/precision.md)

@@ -50,7 +50,7 @@ SHAPES = {
                         vocab=49408),
     # --tiny: seconds per run
     "tiny": Shape("tiny", width=64, depth=2, heads=2, mlp=256, patch=16, image=64, context=16, vocab=1000),
-    # benchmarks/gpu.py --open-clip: rsclip_ds's git-rsclip-base preset (SigLIP-B/16 at 224 px;
+    # benchmarks/gpu/run.py --open-clip: rsclip_ds's git-rsclip-base preset (SigLIP-B/16 at 224 px;
     # open_clip's ViT-B-16-SigLIP with 64 tokens), vocabulary 32,000
     "git-rsclip-base": Shape("git-rsclip-base", width=768, depth=12, heads=12, mlp=3072, patch=16, image=224,
                              context=64, vocab=32000),

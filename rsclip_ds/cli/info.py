@@ -13,6 +13,7 @@ import argparse
 import json
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -29,7 +30,14 @@ def register(sub) -> None:
     p = with_config(sub.add_parser("show-config", help="print the resolved config with every key's description"))
     p.add_argument("--markdown", action="store_true", help=f"write the reference of every key and its default "
                    f"as markdown instead ({CONFIG_PAGE})")
-    p.add_argument("--out", type=Path, help="with --markdown: write to this file instead of stdout")
+    p.add_argument("--resolved", action="store_true",
+                   help="print what the run would decide instead (rsclip_ds.resolve: batch, precision and its dtypes, "
+                        "ZeRO, step guard, threads, workers...): the start-up lines, then resolved.json")
+    p.add_argument("--world", type=int, help="with --resolved: this many ranks (default: the launcher's, else 1)")
+    p.add_argument("--per-node", type=int, help="with --resolved: ranks per node (default: all of --world)")
+    p.add_argument("--gpu", action="store_true", help="with --resolved: for GPUs with bf16, as `rsclip-ds plan` "
+                                                      "plans (default: this machine's accelerator)")
+    p.add_argument("--out", type=Path, help="with --markdown or --resolved: write to this file instead of stdout")
     p.set_defaults(handler=show_config)
     p = sub.add_parser("commands", help="list every command and flag")
     p.add_argument("--markdown", action="store_true", help=f"write them as markdown instead ({CLI_PAGE})")
@@ -39,6 +47,10 @@ def register(sub) -> None:
 
 
 def show_config(args) -> int:
+    if not args.resolved and (args.world or args.per_node or args.gpu):
+        raise ConfigError("show-config --world/--per-node/--gpu need --resolved (they say where the run would resolve)")
+    if args.resolved:
+        return _show_resolved(args)
     if args.markdown:
         if args.config or args.set:
             raise ConfigError("show-config --markdown writes the reference of the defaults; drop --config/--set, "
@@ -59,6 +71,30 @@ def show_config(args) -> int:
             value = value[part]
         table.add_row(key, json.dumps(value), description)
     Console().print(table)
+    return 0
+
+
+def _show_resolved(args) -> int:
+    """The record resolve() makes for this config on `--world` ranks (the launcher's by default) and this
+    machine's accelerator or, with --gpu, GPUs: the run's start-up lines, then its resolved.json."""
+    from rsclip_ds.profiles import load_profile
+    from rsclip_ds.resolve import GPU, Device, World, resolve
+
+    if args.markdown:
+        raise ConfigError("show-config: --resolved and --markdown are two views; pick one")
+    run = load_config(args.config, args.set)
+    world = World.from_env()
+    if args.world:
+        world = World(args.world, args.per_node or args.world)
+    elif args.per_node:
+        world = World(world.size, args.per_node)
+    here = Device.current()
+    r = resolve(run, load_profile(run.profile), world, replace(GPU, cores=here.cores) if args.gpu else here)
+    record = json.dumps(r.to_dict(), indent=2) + "\n"
+    if args.out is not None:
+        return _write(record, args.out)
+    print("\n".join(r.lines()) + "\n")
+    sys.stdout.write(record)
     return 0
 
 

@@ -134,9 +134,10 @@ def epoch_coverage(args, data, micros: set[int], world_size: int) -> dict[int, d
     """--shards: epoch 0's coverage (schedule.EpochSchedule.coverage) at each micro-batch, on `world_size`
     ranks of --workers workers: what a run of those shards delivers per epoch, from their counts."""
     from rsclip_ds.data.schedule import build_epoch_schedule
-    from rsclip_ds.data.workers import auto_num_workers, available_cores
+    from rsclip_ds.data.workers import available_cores
+    from rsclip_ds.resolve import loader_workers
 
-    workers = args.workers if args.workers is not None else auto_num_workers(available_cores(), args.gpus)
+    workers = args.workers if args.workers is not None else loader_workers("auto", available_cores(), args.gpus)[0]
     cfg = data.model_copy(update={"train_shards": args.shards, "num_workers": workers})
     out = {}
     for micro in sorted(m for m in micros if m > 0):
@@ -312,7 +313,8 @@ def write_config(row, args, world_size: int, path: Path) -> dict:
     """The recommended row as the resolved DeepSpeed dict (run config defaults + the row's values)."""
     from rsclip_ds.config import load_config
     from rsclip_ds.planning.planner import HYBRID, hybrid_profile
-    from rsclip_ds.profiles import build_ds_config, load_profile
+    from rsclip_ds.profiles import load_profile
+    from rsclip_ds.resolve import build_ds_config
 
     profile = hybrid_profile(row.profile, args.gpus) if row.profile in HYBRID else load_profile(row.profile)
     cfg = load_config(None, [o for o in _overrides(row, args) if not o.startswith("profile=")])

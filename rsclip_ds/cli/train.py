@@ -34,7 +34,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from rsclip_ds.config import ConfigError
     from rsclip_ds.runtime.rank_errors import failure_of
-    from rsclip_ds.trainer import run_training
+    from rsclip_ds.assembly import run_training
 
     resume = [f"checkpoint.resume={args.resume}"] if args.resume else []
     run_config = load_config(args.config, args.set + resume)

@@ -20,7 +20,7 @@ Full guide: docs/guides/data.md.
 """
 
 from rsclip_ds.data.bad import BAD_KINDS, DataError, StreamCounter
-from rsclip_ds.data.loader import TrainLoader, auto_num_workers, build_train_loader
+from rsclip_ds.data.loader import TrainLoader, build_train_loader
 from rsclip_ds.data.shm import check_shared_memory, shared_memory_need
 from rsclip_ds.data.schedule import EpochSchedule, build_epoch_schedule
 from rsclip_ds.data.sources import expand_sources, expand_urls, shard_counts, shard_counts_from_rank0
@@ -28,6 +28,6 @@ from rsclip_ds.data.tar import read_shard
 from rsclip_ds.data.transforms import ImageTransform, Normalize, SampleDecoder
 
 __all__ = ["BAD_KINDS", "DataError", "EpochSchedule", "ImageTransform", "Normalize", "SampleDecoder",
-           "StreamCounter", "TrainLoader", "auto_num_workers", "build_epoch_schedule", "build_train_loader",
+           "StreamCounter", "TrainLoader", "build_epoch_schedule", "build_train_loader",
            "check_shared_memory", "expand_sources", "expand_urls", "read_shard", "shard_counts",
            "shard_counts_from_rank0", "shared_memory_need"]

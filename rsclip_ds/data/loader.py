@@ -21,7 +21,7 @@ the first examples of each kind are logged with their path, then one line per po
 More than ``data.max_bad_fraction`` bad samples or shards stops the run with ``DataError``.
 
 Workers and shared memory. ``data.num_workers=auto`` shares the node's cores among its ranks
-(auto_num_workers); worker batches travel through /dev/shm, whose free space the Trainer checks
+(resolve.loader_workers); worker batches travel through /dev/shm, whose free space the Trainer checks
 at start-up against what the loaders of the node can hold (check_shared_memory, shm.py). A worker
 that dies (the OOM killer's SIGKILL) is named and replaced at the same position (workers.py).
 
@@ -62,8 +62,7 @@ from rsclip_ds.data.tar import read_piece
 from rsclip_ds.data.tokenizer import tokenize
 from rsclip_ds.data.transforms import ImageTransform, SampleDecoder
 from rsclip_ds.data.where import Where, json_columns
-from rsclip_ds.data.workers import LoaderWorkerDied, Supervisor, WorkerDeath, available_cores, requested_workers
-from rsclip_ds.data.workers import auto_num_workers  # noqa: F401 -- where rsclip_ds.data imports it from
+from rsclip_ds.data.workers import LoaderWorkerDied, Supervisor, WorkerDeath, available_cores
 
 log = logging.getLogger("rsclip_ds.data")
 
@@ -439,12 +438,13 @@ def _is_rank_of_group(rank: int, world_size: int) -> bool:
 def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_length: int,
                        micro_batch_size: int, rank: int, world_size: int, seed: int,
                        return_keys: bool = False, state: dict | None = None, local_world_size: int = 1,
-                       cores: int | None = None, pin_memory: bool = False,
+                       cores: int | None = None, workers: int | None = None, pin_memory: bool = False,
                        cache_dir: str | Path | None = None, teacher=None) -> TrainLoader:
     """Endless iterable of full micro-batches for ``rank`` (see the module docstring).
 
-    ``local_world_size`` (ranks on this node) and ``cores`` (default: this process's
-    available_cores()) size data.num_workers=auto. ``pin_memory``: batches in page-locked memory for
+    ``workers``: workers per rank as the run resolved them (resolve.py's HostPlan); None: data.num_workers
+    sized here by the same rule (resolve.loader_workers), from ``local_world_size`` (ranks on this node) and
+    ``cores`` (default: this process's available_cores()). ``pin_memory``: batches in page-locked memory for
     the copy to a GPU -- the caller's accelerator decides (torch.cuda.is_available() would pin, and
     open a CUDA context on GPU 0, for CPU ranks on a GPU host). Batches carry uint8 pixels: the model
     normalises them with its own mean/std. ``state``: a ``loader.state_dict()`` to resume from;
@@ -457,8 +457,13 @@ def build_train_loader(cfg: DataConfig, *, tokenizer, image_size: int, max_text_
     teacher's image size) and ``teacher_input_ids`` (the teacher's tokenizer and text length)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
-    cores = available_cores() if cores is None else cores
-    workers, why = requested_workers(cfg.num_workers, state, cores, local_world_size)
+    why = ""
+    if workers is None:
+        from rsclip_ds.resolve import loader_workers
+
+        saved = len(state["streams"]) if state is not None and "streams" in state else None   # remap: any count
+        workers, why = loader_workers(cfg.num_workers, available_cores() if cores is None else cores,
+                                      local_world_size, saved)
     group = _is_rank_of_group(rank, world_size)
     kept = partial(kept_counts_over_ranks if group else kept_counts,
                    cache_dir=None if cache_dir is None else Path(cache_dir))

@@ -1,5 +1,5 @@
-"""DataLoader workers: how many a rank runs (data.num_workers=auto), and one that dies: named,
-replaced at the same data position, then an agreed stop.
+"""DataLoader workers: the cores a process may use (how many workers a rank runs is resolve.loader_workers'
+rule), and a worker that dies: named, replaced at the same data position, then an agreed stop.
 
 What the OOM killer does to a loader worker is a SIGKILL. torch's own SIGCHLD handler then raises
 "DataLoader worker (pid N) is killed by signal: Killed." inside whatever Python code the rank runs
@@ -102,25 +102,6 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:   # not Linux
         return os.cpu_count() or 1
-
-
-def auto_num_workers(cores: int, local_ranks: int) -> int:
-    """data.num_workers=auto: the node's cores shared by its ranks, one core of each share left
-    to the rank's own process (it receives the batches and drives the device), at least 1."""
-    return max(1, cores // max(1, local_ranks) - 1)
-
-
-def requested_workers(num_workers: int | str, state: dict | None, cores: int, local_ranks: int) -> tuple[int, str]:
-    """Workers per rank for data.num_workers (a number or 'auto'), and why (for the log line of
-    'auto'); ``state``: a saved data position, whose worker count 'auto' keeps."""
-    if num_workers != "auto":
-        return num_workers, ""
-    mine = auto_num_workers(cores, local_ranks)
-    saved = len(state["streams"]) if state is not None and "streams" in state else None   # remap: any count
-    if saved is not None and saved != mine:   # exact resume needs the saved streams
-        return saved, (f"the saved data position's count, which exact resume needs; {cores} core(s) for "
-                       f"{local_ranks} rank(s) here would give {mine}")
-    return mine, f"{cores} core(s) for {local_ranks} rank(s) on this node, less one per rank for its own process"
 
 
 # --------------------------------------------------------------------------- SIGCHLD

@@ -1,7 +1,5 @@
-"""The run config's ``distill`` section (docs/guides/pretraining.md, "Distillation").
-
-Torch-free and importing nothing from the package but settings.Strict, so that rsclip_ds.config
-can hold it as one field line (config.py is at its size limit)."""
+"""The run config's ``distill`` section (docs/guides/pretraining.md, "Distillation"), beside what it
+configures. Torch-free: rsclip_ds.config imports it."""
 
 from __future__ import annotations
 

@@ -63,17 +63,6 @@ class Teacher(nn.Module):
         return F.normalize(image.float(), dim=-1), F.normalize(text.float(), dim=-1), self.model.logit_scale
 
 
-def teacher_dtype(name: str, on_gpu: bool) -> torch.dtype:
-    """distill.dtype -> a torch dtype; 'auto': bf16 on a GPU with bf16, fp16 on an older GPU, fp32 on CPU."""
-    if name != "auto":
-        return DTYPES[name]
-    if not on_gpu:
-        return torch.float32
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.bfloat16 if get_accelerator().is_bf16_supported() else torch.float16
-
-
 def _model_type(folder: Path, what: str) -> str:
     config = folder / "config.json"
     if not config.is_file():
@@ -88,12 +77,12 @@ def _model_type(folder: Path, what: str) -> str:
 
 
 def check_distill(cfg: DistillConfig, zero_stage: int) -> None:
-    """Config-time checks (no process group): the teacher exists and is a dual encoder, and the
-    placement fits the profile. Raises ConfigError naming the fix."""
+    """Config-time checks (no process group): the placement fits the profile (resolve.teacher_placement), and
+    the teacher exists and is a dual encoder. Raises ConfigError naming the fix."""
+    from rsclip_ds.resolve import teacher_placement
+
+    teacher_placement(cfg, zero_stage)
     if cfg.teacher is None:
-        if cfg.placement != "replicated" or cfg.dtype != "auto" or cfg.revision is not None:
-            raise ConfigError("distill.* is set but distill.teacher is not: name the teacher "
-                              "(--set distill.teacher=FOLDER_OR_HUB_ID) or drop the other distill keys")
         return
     from rsclip_ds.hub import is_hub_id
 
@@ -103,10 +92,6 @@ def check_distill(cfg: DistillConfig, zero_stage: int) -> None:
     elif not is_hub_id(cfg.teacher):
         raise ConfigError(f"{what}: no such folder, and not a hub id of the form 'org/name' "
                           "(e.g. lcybuaa/Git-RSCLIP)")
-    if cfg.placement == "zero3" and zero_stage != 3:
-        raise ConfigError(f"distill.placement=zero3 partitions the teacher like a ZeRO-3 student, but the profile "
-                          f"is ZeRO stage {zero_stage}: use --set profile=zero3 (or zero3_offload), or "
-                          "distill.placement=replicated")
     if cfg.placement == "zero3" and Path(cfg.teacher).exists():
         _check_partitionable(_model_type(Path(cfg.teacher), what), what)
 
@@ -117,20 +102,11 @@ def _check_partitionable(kind: str, what: str) -> None:
                           "('self.dim() cannot be 0 to view Float as Byte'): use distill.placement=replicated")
 
 
-def teacher_ds_config(ds_config: dict, dtype: torch.dtype) -> dict:
-    """The teacher's own DeepSpeed config for 'zero3' placement: the student's ZeRO-3 block (its
-    parameter offload too) without anything an optimizer needs, in the teacher's dtype."""
-    zero = {k: v for k, v in ds_config.get("zero_optimization", {}).items() if k != "offload_optimizer"}
-    return {"train_micro_batch_size_per_gpu": ds_config.get("train_micro_batch_size_per_gpu", 1),
-            "gradient_accumulation_steps": 1, "zero_optimization": zero,
-            "bf16": {"enabled": dtype == torch.bfloat16}, "fp16": {"enabled": dtype == torch.float16},
-            "steps_per_print": 2**31 - 1}
-
-
-def load_teacher(cfg: DistillConfig, *, device, on_gpu: bool, local_rank: int = 0,
+def load_teacher(cfg: DistillConfig, *, device, on_gpu: bool, local_rank: int = 0, dtype: str | None = None,
                  ds_config: dict | None = None) -> tuple[Any, TeacherInputs]:
-    """The teacher on ``device`` in its dtype -- a Teacher, or under 'zero3' placement its DeepSpeed
-    engine (``ds_config``: the student's) -- and its inputs' spec (tokenizer, image size, text length)."""
+    """The teacher on ``device`` in ``dtype`` (the run's resolved distill dtype; None: resolve.teacher_dtype for
+    this accelerator) -- a Teacher, or under 'zero3' placement its DeepSpeed engine (``ds_config``: the
+    teacher's own, resolve.teacher_ds_config) -- and its inputs' spec (tokenizer, image size, text length)."""
     from transformers import CLIPModel, SiglipModel
 
     from rsclip_ds.hub import resolve_source_per_node
@@ -140,8 +116,12 @@ def load_teacher(cfg: DistillConfig, *, device, on_gpu: bool, local_rank: int = 
     folder, what = Path(source.folder), f"distill.teacher={cfg.teacher}"
     kind = _model_type(folder, what)
     cls = SiglipModel if kind == "siglip" else CLIPModel
-    dtype = teacher_dtype(cfg.dtype, on_gpu)
-    zero3 = teacher_ds_config(ds_config or {}, dtype) if cfg.placement == "zero3" else None
+    if dtype is None:
+        from rsclip_ds.resolve import Device, teacher_dtype
+
+        dtype = teacher_dtype(cfg.dtype, Device.current() if on_gpu else Device("cpu"))
+    dtype = DTYPES[dtype]
+    zero3 = ds_config if cfg.placement == "zero3" else None
     if zero3 is not None:
         _check_partitionable(kind, what)
     with maybe_zero3_init(zero3) as partitioned:   # zero3: each rank builds and keeps 1/W of the weights

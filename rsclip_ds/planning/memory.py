@@ -453,11 +453,9 @@ def quantisation_buffers(zero: dict, largest_layer: int) -> int:
 
 
 def _accumulates_in_fp32(profile, grad_accum: str, master: str = "fp32", accumulation_steps: int = 1) -> bool:
-    from rsclip_ds.profiles import auto_grad_accum_dtype
+    from rsclip_ds.resolve import bf16_accumulation   # the run's rule, one home
 
-    if grad_accum == "auto":   # profiles.grad_accum_dtype: bf16 with bf16 masters
-        grad_accum = "bf16" if master == "bf16" else auto_grad_accum_dtype(profile, accumulation_steps)
-    return grad_accum == "fp32"
+    return bf16_accumulation(grad_accum, master, profile, accumulation_steps) == "fp32"
 
 
 def _torch_adam_offload(master: str) -> int:

@@ -13,9 +13,8 @@ GPU holds the whole model) first, then ZeRO-1/2, ZeRO-3, offload. ddp sends the 
 of the gradients, no all-gather of the updated weights) and costs a rank no ZeRO hooks or partition
 copies, so it wins wherever it fits at the micro-batch the others fit; ZeRO-3 and offload win only where
 memory needs them (ZeRO-1/2 do not fit, or only with checkpointing or accumulation that costs more).
-Rows the installed DeepSpeed would refuse for the run's settings (precision=amp under ZeRO, bf16
-master weights at stage 0, autocast with ZeRO++'s quantised weights) are shown, never recommended
-(`settings_note`).
+Rows a run would refuse with the plan's settings (precision=amp under ZeRO, bf16 weights at stage 0,
+autocast with ZeRO++'s quantised weights: resolve.py's rules, `resolve_row`) are shown, never recommended.
 `reason` says why the pick won, in one line; `nearest_fit`, when nothing fits, which row came
 closest and what would make it fit.
 
@@ -40,7 +39,7 @@ from rsclip_ds.planning import comms
 from rsclip_ds.planning.memory import BYTES, GiB, ModelSpec, Peak, model_state_bytes, peak
 from rsclip_ds.planning.teacher import forward_flops, with_teacher
 from rsclip_ds.planning.teacher import traffic as teacher_traffic
-from rsclip_ds.precision import compute_dtype, is_autocast, resolve_precision
+from rsclip_ds.precision import compute_dtype, is_autocast
 
 # Hybrid ZeRO-3 strategies by profile name: zero_optimization keys added to zero3's block;
 # "per_node" becomes the budget's GPUs per node (hpZ's secondary group, MiCS's shard group).
@@ -82,20 +81,6 @@ def deepspeed_rejects(key: str) -> str:
         _reject_removed_config_keys({"zero_optimization": {key: 1}})
     except Exception as err:   # DeepSpeedConfigError
         return str(err)
-    return ""
-
-
-def settings_note(prof, precision: str, master: str = "fp32", grad_accum: str = "auto") -> str:
-    """'' where DeepSpeed 0.19.8 runs profile ``prof`` with the run's precision, bf16.master_weights and
-    bf16.grad_accum_dtype; else why not (profiles.build_ds_config refuses the pair, or DeepSpeed does)."""
-    zero = prof.strategy.get("zero_optimization", {})
-    if prof.stage == 0 and precision in ("bf16", "fp16"):
-        return (f"precision={precision} at stage 0 runs DeepSpeed's FP16_UnfusedOptimizer (a host sync per gradient, "
-                f"AdamW a step ahead): refused, use {'amp_bf16' if precision == 'bf16' else 'amp'}")
-    if precision == "amp" and prof.stage > 0:
-        return "precision=amp runs at stage 0 only (under ZeRO DeepSpeed skips every fp16-autocast step)"
-    if is_autocast(precision) and zero.get("zero_quantized_weights"):
-        return f"DeepSpeed refuses torch autocast ({precision}) with qwZ (zero_quantized_weights)"
     return ""
 
 
@@ -305,7 +290,7 @@ def step_time(spec: ModelSpec, prof, precision: str, checkpointing: bool, micro:
                and ZeRO-1/2: 0 (STAGE0_STEP_S, ZERO12_STEP_S).
     ``teacher`` (planning.teacher.TeacherPlan): its forward per sample joins the compute, its
     weights' all-gathers (zero3 placement) the network."""
-    from rsclip_ds.profiles import wire_dtype   # the run's distributed.communication_data_type, resolved
+    from rsclip_ds.resolve import wire_dtype   # the run's distributed.communication_data_type, resolved
 
     p, g, _ = BYTES[precision]
     psi, G, t, stage = spec.params, budget.gpus, spec.trainable, prof.stage
@@ -337,6 +322,33 @@ def step_seconds(*args, **kwargs) -> float:
     return step_time(*args, **kwargs).total
 
 
+def row_config(precision: str = "auto", master: str = "fp32", grad_accum: str = "auto", comm: str = "auto",
+               loss: str = "siglip", negatives: str = "global", accumulation: str = "global"):
+    """The run config a plan's settings describe (the rows differ by profile): what `resolve` decides from."""
+    from rsclip_ds.config import load_config
+
+    sets = [f"precision={precision}", f"loss.name={loss}", f"loss.negatives={negatives}",
+            f"batch.accumulation={accumulation}", f"distributed.communication_data_type={comm}"]
+    if precision in ("bf16", "auto"):   # the schema refuses bf16.* with another precision
+        sets += [f"bf16.master_weights={master}", f"bf16.grad_accum_dtype={grad_accum}"]
+    return load_config(None, sets)
+
+
+def resolve_row(run, prof, budget: "Budget"):
+    """A row's run as resolve() decides it for this budget's GPUs -> (precision, refusal, record): the precision
+    as a run makes it (`precision: auto` per profile: amp_bf16 at stage 0, bf16 under ZeRO; bf16 wherever a
+    bf16.* setting asks for it), why a run would refuse the row ('' where it runs) and the record (None where
+    refused) -- what the Trainer resolves from the same config on such a world."""
+    from rsclip_ds.config import ConfigError
+    from rsclip_ds.resolve import GPU, World, resolve, resolve_run_precision
+
+    try:
+        record = resolve(run, prof, World(budget.gpus, budget.gpus_per_node), GPU)
+    except ConfigError as err:
+        return resolve_run_precision(run, prof)[0].precision, err.note, None
+    return record.precision.name, "", record
+
+
 def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "auto",
          profiles: list[str] | None = None, loss: str = "siglip", negatives: str = "global",
          accumulation: str = "global", hw: Hardware = Hardware(), grad_accum: str = "auto",
@@ -348,7 +360,7 @@ def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "a
     its bf16.master_weights; ``comm``: its distributed.communication_data_type (the gradient bytes on
     the wire); ``teacher``: a distillation teacher's planning.teacher.TeacherPlan (its weights,
     inputs, forward and FLOPs). A row whose profile DeepSpeed would refuse with these settings
-    (`settings_note`) is not a candidate; it is modelled with the settings its stage allows (stage 0:
+    (`resolve_row`) is not a candidate; it is modelled with the settings its stage allows (stage 0:
     fp32 masters, bf16 accumulation)."""
     from rsclip_ds.profiles import available_profiles, load_profile
 
@@ -356,25 +368,16 @@ def plan(spec: ModelSpec, budget: Budget, global_batch: int, precision: str = "a
         raise ValueError(f"global batch {global_batch} is not a multiple of {budget.gpus} GPUs")
     per_rank = global_batch // budget.gpus
     names = profiles or available_profiles() + [h for h in HYBRID if h not in available_profiles()]
+    run = row_config(precision, master, grad_accum, comm, loss, negatives, accumulation)
     rows = []
     for name in names:
         prof = hybrid_profile(name, budget.gpus_per_node) if name in HYBRID else load_profile(name)
         candidate, note = candidacy(name, budget)
-        if comm not in ("auto", "fp16") and prof.strategy.get("zero_optimization", {}).get("zero_quantized_gradients"):
-            # profiles.wire_dtype refuses it: the quantizer kernel reads fp16 only; modelled in fp16
-            candidate, note, row_comm = False, f"qgZ reduces in fp16 only, not {comm}", "fp16"
-        else:
-            row_comm = comm
-        # precision=auto per row, as the Trainer resolves it (profiles.resolve_run_precision): amp_bf16 at stage
-        # 0, bf16 under ZeRO -- bf16 wherever a bf16.* setting asks for it
-        bf16_asked = master != "fp32" or grad_accum != "auto"
-        row_precision = ("bf16" if bf16_asked else resolve_precision("auto", prof.stage)[0]) \
-            if precision == "auto" else precision
-        refused = settings_note(prof, row_precision, master, grad_accum)
-        if is_autocast(row_precision) and comm != "auto":
-            refused = "; ".join(n for n in (refused, f"communication_data_type={comm} is refused under autocast") if n)
+        row_precision, refused, _ = resolve_row(run, prof, budget)
         if refused:
             candidate, note = False, "; ".join(n for n in (note, refused) if n)
+        qgz = prof.strategy.get("zero_optimization", {}).get("zero_quantized_gradients")
+        row_comm = "fp16" if qgz and comm not in ("auto", "fp16") else comm   # qgZ: modelled in fp16
         row_master, row_accum = ("fp32", "auto") if prof.stage == 0 else (master, grad_accum)
         zero = prof.strategy.get("zero_optimization", {})
         cpu_node = model_state_bytes(spec.params, prof.stage, prof.offload_optimizer, prof.offload_param, row_precision,

@@ -70,7 +70,9 @@ def teacher_plan(teacher: str, dtype: str = "bf16", placement: str = "replicated
     else:
         raise ConfigError(f"distill.teacher={teacher}: the planner counts a preset ({', '.join(PRESETS)}) or a "
                           "SigLIP model folder (with config.json)")
-    return TeacherPlan(spec, "bf16" if dtype == "auto" else dtype, placement == "zero3")
+    from rsclip_ds.resolve import GPU, teacher_dtype
+
+    return TeacherPlan(spec, teacher_dtype(dtype, GPU), placement == "zero3")   # the planner plans for GPUs
 
 
 def weight_bytes(teacher: TeacherPlan, gpus: int) -> int:

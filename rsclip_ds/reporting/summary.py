@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from rsclip_ds.precision import uses_fp16
-from rsclip_ds.profiles import BatchSizes, Profile
+from rsclip_ds.profiles import Profile
 from rsclip_ds.reporting.load import HOST_PEAK, load_summary
-from rsclip_ds.train import TrainResult
+from rsclip_ds.loop import TrainResult
+from rsclip_ds.resolve import BatchSizes
 
 
 def _window_mean(values: list[float], head: bool, n: int = 5) -> float:

@@ -26,7 +26,7 @@ where patch dropout draws its patches). ZeRO-1/2 only: under ZeRO-3 it traces th
 (empty) parameters.
 
 Either way the optimizer step, ZeRO's gradient reduction and the loss scaler stay eager; the
-contrastive loss (train.py) runs outside the module, eager too.
+contrastive loss (loop.py) runs outside the module, eager too.
 
 What the compiled code sees, and why it does not recompile from step to step:
   * fixed shapes: every micro-batch is (micro, 3, S, S) uint8 and (micro, L) ids, and patch
@@ -41,9 +41,9 @@ What the compiled code sees, and why it does not recompile from step to step:
   * evaluation runs eager (`eager_hook`): its batches end short and are padded with 1-item
     dummies, shapes a static graph would compile anew each time.
 
-`refusal(...)` names the combinations that do not work, with the reason and the fix; the
-Trainer's config check raises it before any process group exists. This module imports torch
-only inside its functions (config.py imports the section).
+resolve.compile_refusal names the combinations that do not work, with the reason and the fix,
+before any process group exists. This module imports torch only inside its functions (config.py
+imports the section).
 """
 
 from __future__ import annotations
@@ -74,31 +74,6 @@ class CompileConfig(Strict):
         "'max-autotune' use CUDA graphs (GPU only).")
     dynamic: bool = Field(False, description="Compile with dynamic shapes. False: static shapes -- training's "
                           "micro-batches all have one shape, so each graph compiles once.")
-
-
-def refusal(cfg: CompileConfig, *, zero_stage: int, on_gpu: bool) -> str | None:
-    """Why this combination cannot be compiled (with the fix), or None when it can."""
-    if not cfg.enabled:
-        return None
-    backends = available_backends()
-    if cfg.backend not in backends:
-        return (f"compile.backend={cfg.backend!r} is not a torch.compile backend here; choose one of "
-                f"{', '.join(sorted(b for b in backends if not b.endswith('TESTING_ONLY')))}")
-    if zero_stage == 3 and cfg.scope == "model":
-        # torch.compile of the whole module traces ZeRO-3's partitioned parameters (0-element
-        # placeholders that DeepSpeed's hooks gather only around each submodule's forward): measured
-        # here, "RuntimeError: b must be 2D" in the attention-pooling head's in_proj. The layers scope
-        # compiles inside the hooks, on gathered parameters (module docstring).
-        return ("compile.scope=model does not work with ZeRO-3: torch.compile of the whole module traces the "
-                "partitioned (empty) parameters that ZeRO-3 gathers only around each submodule's forward "
-                "(measured: 'b must be 2D' in the attention-pooling head). Use compile.scope=layers (the "
-                "default), or profile=zero1/zero2 for scope=model")
-    if cfg.mode in ("reduce-overhead", "max-autotune") and not on_gpu:
-        return (f"compile.mode={cfg.mode} captures CUDA graphs, which CPU ranks do not have: drop "
-                f"compile.mode, or use 'max-autotune-no-cudagraphs'")
-    if cfg.mode is not None and cfg.backend != "inductor":
-        return f"compile.mode={cfg.mode} is an inductor option: set compile.backend=inductor or drop compile.mode"
-    return None
 
 
 def available_backends() -> list[str]:

@@ -1,5 +1,5 @@
 """Which encoder layers of a DualEncoder train, and which get an input that needs a gradient: what
-ZeRO-3 leaf modules (engine.drop_unsafe_leaf_modules) and regional compilation (compilation.py)
+ZeRO-3 leaf modules (resolve.py drops them where a layer is unsafe) and regional compilation (compilation.py)
 decide per layer. Imports nothing of the package: both sides use it without an import cycle."""
 
 from __future__ import annotations

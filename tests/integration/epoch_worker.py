@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from rsclip_ds.config import load_config
-from rsclip_ds.trainer import Trainer
+from rsclip_ds.assembly import Trainer
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from rsclip_ds.evaluation.catalog import FoundSet
 from rsclip_ds.evaluation.datasets import load_caption_json, load_class_folders
 from rsclip_ds.evaluation.hook import make_eval_hook
 from rsclip_ds.model import new_dual_encoder, save_pretrained
-from rsclip_ds.trainer import Trainer
+from rsclip_ds.assembly import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 

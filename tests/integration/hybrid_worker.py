@@ -4,7 +4,7 @@ plain zero3 on the same seed and data.
     deepspeed --hostfile HF --no_ssh --node_rank R --master_addr 127.0.0.1 --master_port P \
         tests/integration/hybrid_worker.py --profiles zero3 zero3_hpz --steps 3 --out result.json
 
-For each profile in turn: the DeepSpeed config from rsclip_ds.profiles.build_ds_config (the
+For each profile in turn: the DeepSpeed config from rsclip_ds.resolve.build_ds_config (the
 run's AdamW, fp32, per-node values resolved from the launcher's LOCAL_SIZE), the tiny model built
 under that config (zero.Init, as the trainer builds it), then `--steps` optimizer steps on
 the same global batches (each rank its slice). Rank 0 writes, per profile: the rank-averaged
@@ -32,7 +32,8 @@ from rsclip_ds.runtime.distributed import init_distributed
 from rsclip_ds.engine import build_engine
 from rsclip_ds.losses import build_loss
 from rsclip_ds.model import new_dual_encoder, preset_config
-from rsclip_ds.profiles import build_ds_config, load_profile
+from rsclip_ds.profiles import load_profile
+from rsclip_ds.resolve import build_ds_config
 
 MICRO = 4
 SEED = 0

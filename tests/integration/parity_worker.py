@@ -26,7 +26,7 @@ from rsclip_ds.runtime.distributed import init_distributed
 from rsclip_ds.losses import LOSSES, build_loss
 from rsclip_ds.model import new_dual_encoder, preset_config
 from rsclip_ds.profiles import load_profile
-from rsclip_ds.train import train_step, train_step_global
+from rsclip_ds.loop import micro_batch_step, global_optimizer_step
 
 MICRO = 4          # samples per rank per micro-batch
 SEED = 0
@@ -89,9 +89,9 @@ def distributed_update(config, loss: str, stage: int, rank: int, world: int, k: 
     before = full_params(engine)
     loss_fn = build_loss(loss, negatives=negatives, rank=rank, world_size=world, chunk_size=chunk)
     if mode == "global" and k > 1:
-        value = train_step_global(engine, batches, loss_fn, torch.float32)
+        value = global_optimizer_step(engine, batches, loss_fn, torch.float32)
     else:
-        value = torch.stack([train_step(engine, b, loss_fn, torch.float32) for b in batches]).mean()
+        value = torch.stack([micro_batch_step(engine, b, loss_fn, torch.float32) for b in batches]).mean()
     after = full_params(engine)
     dist.all_reduce(value)
     return value.item() / world, [b - a for b, a in zip(before, after)]

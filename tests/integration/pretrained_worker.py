@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from rsclip_ds.data.tokenizer import tokenize
 from rsclip_ds.engine import engine_dtype
-from rsclip_ds.trainer import Trainer
+from rsclip_ds.assembly import Trainer
 from tests.integration.helpers import pretrained_worker_config
 
 CAPTIONS = ["a satellite photo of forest.", "a satellite photo of a river.", "an airport seen from above."]

@@ -24,7 +24,7 @@ import torch
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 from rsclip_ds.config import load_config
-from rsclip_ds.trainer import Trainer
+from rsclip_ds.assembly import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 

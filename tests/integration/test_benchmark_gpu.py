@@ -1,11 +1,11 @@
-"""benchmarks/gpu.py on CPU with the tiny preset, in its smallest case, so the GPU script cannot rot.
+"""benchmarks/gpu/run.py on CPU with the tiny preset, in its smallest case, so the GPU script cannot rot.
 
 One launch (~60 s on 2 idle cores, mostly imports and engine builds): ddp and ZeRO-2 at the run's
 default precision (--precisions auto: ddp/amp_bf16, zero2/bf16) without activation checkpointing,
 six cases each in its own process as on a GPU -- each profile on a batch in memory (tensor) and
 fed by the Trainer's own loader from 64 JPEGs through one worker, the plain PyTorch twin of the
 step on the same model and batch (eager: the compiled twin compiles for ~50 s on these cores;
-benchmarks/gpu_step.sh's CPU form runs it), and zero2's patch-dropout variant. Checks what each
+benchmarks/gpu/step.sh's CPU form runs it), and zero2's patch-dropout variant. Checks what each
 case measured against numbers computed here: the parameters its engine holds against the model's
 count, the FLOPs per sample it reports against torch's FLOP counter on a forward of the same
 model, the twin's losses against ours (amp_bf16 is its recipe: the same losses, step for step),

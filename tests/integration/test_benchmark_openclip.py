@@ -8,7 +8,7 @@ RSCLIP_OPENCLIP_VENV to one made elsewhere); that test is skipped without it. No
 assertions (the machine is shared); the assertions are on what each run did, as each tool
 logged it, and on what the driver derived from the logs. The first tests need no environment:
 the log parsers on lines both tools wrote, the rate arithmetic on known step times, the cases and
-their pairing, and each peer's command lines (benchmarks/gpu.py --open-clip drives the same code).
+their pairing, and each peer's command lines (benchmarks/gpu/run.py --open-clip drives the same code).
 """
 
 from __future__ import annotations

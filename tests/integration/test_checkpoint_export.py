@@ -33,7 +33,7 @@ def _worker(argv: list[str]) -> None:
 
     from rsclip_ds.cli import strip_local_rank
     from rsclip_ds.config import load_config
-    from rsclip_ds.trainer import Trainer
+    from rsclip_ds.assembly import Trainer
 
     p = argparse.ArgumentParser()
     p.add_argument("--embeddings", required=True)

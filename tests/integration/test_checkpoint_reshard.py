@@ -179,6 +179,9 @@ def test_the_shard_loader_resumes_on_another_number_of_ranks(launch_data, tmp_pa
     ds = json.loads((out / "ds_config.json").read_text())   # the resumed run's, as DeepSpeed got it
     assert ds["bf16"]["enabled"] and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert ds["checkpoint"]["load_universal"] is True
+    resolved = json.loads((out / "resolved.json").read_text())   # the decisions that config was rendered from
+    assert resolved["resume"] == {"mode": "universal", "tag": tag_for(2), "saved_world": 2}
+    assert resolved["world"]["size"] == 3 and resolved["precision"]["name"] == "bf16"
     for rank in range(3):
         optim = torch.load(root / tag_for(4) / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
                            map_location="cpu", weights_only=False)["optimizer_state_dict"]

@@ -78,7 +78,7 @@ def test_repeated_nonfinite_gradients_are_skipped_then_stop_the_run_with_the_las
     assert proc.returncode == 3, text[-4000:]
     assert "NonFiniteLoss: the gradient norm was not finite for 2 consecutive steps (5..6); each was skipped " \
            "(the weights are those after step 4)" in text
-    assert "step 5 skipped: its gradient norm is not finite (inf)" in text
+    assert "step 5 skipped: its gradient norm is not finite (nan)" in text   # a NaN gradient, its norm NaN
     root = out / "checkpoints"
     assert read_pointer(root) == "step00000004" and not (root / "step00000006").exists()
     _, state = consolidated_state_dict(out)
@@ -181,7 +181,7 @@ def test_a_python_error_on_rank0_reaches_rank1_as_itself(launch_data, tmp_path):
     assert proc.returncode == 1, text[-4000:]
     said = "InjectedError: fault injection: rank 0 raises at step 3 (faults.inject_error_at_step)"
     assert text.count("Traceback (most recent call last)") == 1, text[-4000:]
-    assert text.count(f"\nrsclip_ds.train.{said}\n") == 1, text[-4000:]   # the traceback's last line
+    assert text.count(f"\nrsclip_ds.faults.{said}\n") == 1, text[-4000:]   # the traceback's last line
     assert f"rsclip-ds: rank 0 failed: {said} (seen by rank 1; exiting with its code 1)" in text, text[-4000:]
     assert "Connection closed" not in text and "sent no heartbeat" not in text
 

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_first_run.py --smoke on CPU ranks, so the first GPU run's script cannot rot: every
+"""benchmarks/gpu/first_run.py --smoke on CPU ranks, so the first GPU run's script cannot rot: every
 step runs in order (environment, parity, one ddp and one ZeRO-1/2/3 step each at the run's default
 precision, the planner check) and its JSON holds what each measured and what only a GPU can confirm."""
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_first_run_smoke_runs_every_step_and_names_the_gpu_checks(tmp_path):
-    report = run_benchmark("gpu_first_run", "--smoke", out=tmp_path / "first_run.json", ranks=None, timeout=400)
+    report = run_benchmark("gpu.first_run", "--smoke", out=tmp_path / "first_run.json", ranks=None, timeout=400)
     assert report["ok"], [s["output_tail"] for s in report["steps"] if not s["ok"]]
     assert [s["step"] for s in report["steps"]] == ["parity", "zero_steps", "plan"]
     zero = report["steps"][1]["result"]["cases"]

@@ -1,4 +1,4 @@
-"""What the train loop (rsclip_ds.train.train) uses of a DeepSpeed engine, in one process without
+"""What the train loop (rsclip_ds.loop.train) uses of a DeepSpeed engine, in one process without
 DeepSpeed, and batches and a loss for it: the metrics and W&B tests drive the real loop with it.
 Import from here."""
 
@@ -67,3 +67,30 @@ def fake_batches():
 
 def fake_loss(image, text, scale, bias):
     return ((image - 1.0) ** 2).sum()
+
+
+def fault_plan(*sets: str, world: int = 1):
+    """The fault plan resolve() makes from `faults.*` overrides (e.g. "inject_nan_at_step=4")."""
+    from rsclip_ds.config import load_config
+    from rsclip_ds.resolve import World, fault_plan as plan
+
+    return plan(load_config(None, [f"faults.{s}" for s in sets]), World(world, world))
+
+
+def run_loop(engine, batches, steps: int, log_every: int, *, faults=None, metrics=None, hooks=(), resume=None,
+             stop_after: int | None = None, reporter=None, sizes=None, accumulation: str = "plain", loss=fake_loss):
+    """rsclip_ds.loop.train as the Trainer calls it, from the few numbers these tests vary; `faults`: a
+    fault_plan(...) for rank 0, armed on the engine's module as the Trainer arms it."""
+    from rsclip_ds.faults import NO_FAULTS, Faults
+    from rsclip_ds.loop import Objective, Observers, train
+    from rsclip_ds.resolve import BatchSizes, LoopPlan
+
+    seam = NO_FAULTS if faults is None else Faults(faults, 0)
+    if faults is not None:
+        seam.arm(engine.module)
+    plan = LoopPlan(sizes or BatchSizes(2, 1, 1), steps, log_every, accumulation, stop_after,
+                    **({} if faults is None else {"stop_check_every": faults.stop_check_every,
+                                                  "max_nonfinite_steps": faults.max_nonfinite_steps,
+                                                  "count_nonfinite": faults.count_nonfinite}))
+    return train(plan, engine, batches, Objective(loss), Observers(reporter, metrics, hooks=hooks),
+                 resume=resume, faults=seam)

@@ -1,4 +1,4 @@
-"""The CPU-testable parts of benchmarks/gpu.py, without an engine: the step timer (warm-up, bounds,
+"""The CPU-testable parts of benchmarks/gpu/run.py, without an engine: the step timer (warm-up, bounds,
 the time spent waiting for batches), the case list (profile x precision less the refused pairs,
 a loader case beside its tensor twin, the twins per compute dtype), the pairings (loader / tensor,
 variant / base, ours / twin), the planner's pick of the open_clip comparison and the commands it
@@ -17,7 +17,7 @@ from tests.unit.benchmark_modules import import_benchmark
 
 @pytest.fixture(scope="module")
 def gpu():
-    yield from import_benchmark("gpu")
+    yield from import_benchmark("gpu.run")
 
 
 def _slow_batches(delay: float):
@@ -88,7 +88,7 @@ def test_one_rank_refuses_the_hybrid_profiles_naming_the_multi_node_script(gpu, 
 
 
 def test_mfu_is_per_device_at_the_runs_precision(gpu):
-    from benchmarks.gpu_peaks import mfu_per_device, peak_flops
+    from benchmarks.gpu.peaks import mfu_per_device, peak_flops
 
     assert peak_flops("NVIDIA H100 PCIe", "bf16") == pytest.approx(756.5e12)
     assert peak_flops("NVIDIA H100 NVL", "bf16") == pytest.approx(835.5e12)
@@ -119,7 +119,7 @@ def test_variants_run_on_one_case_right_after_their_base_twin(gpu):
 
 
 def test_variant_overrides_and_their_pairing_with_the_base_case():
-    from benchmarks.gpu_variants import pair_with_base, variant_overrides
+    from benchmarks.gpu.variants import pair_with_base, variant_overrides
 
     assert variant_overrides("base") == [] and variant_overrides("patch_dropout") == ["model.patch_dropout=0.5"]
     assert variant_overrides("compile") == ["compile.enabled=true"]
@@ -156,7 +156,7 @@ def test_ours_over_the_twin_is_our_rate_over_each_twins_and_renders(gpu):
     """Every case of ours doing the twin's work (any profile, the compile variant) is divided by the
     twins of its preset and micro-batch; patch dropout (other work), loader cases and a preset
     without twins are not; a failed twin gives no ratio. The table shows both ratios beside MFU."""
-    from benchmarks.gpu_variants import pair_with_twins
+    from benchmarks.gpu.variants import pair_with_twins
     from benchmarks.results_tables.throughput import gpu as gpu_tables
 
     base = {"preset": "p", "micro": 8, "checkpointing": False, "ok": True, "data": "tensor", "variant": "base",
@@ -197,7 +197,7 @@ def test_a_profile_runs_the_precisions_a_run_allows_with_auto_made_concrete(gpu)
 
 
 def test_the_gpu_scripts_cases_each_profile_under_its_precisions_then_one_set_of_twins(gpu):
-    """gpu_step.sh's large part: ddp under amp_bf16 only, zero2 under both (bf16 first, as asked),
+    """step.sh's large part: ddp under amp_bf16 only, zero2 under both (bf16 first, as asked),
     the eager and compiled twin once, after the first case: amp_bf16 and bf16 both compute in bf16,
     and the twin's recipe is one for both."""
     todo = gpu.cases(["git-rsclip-large"], ["ddp", "zero2"], [False], None, ["tensor"], ["base"], ["eager", "compiled"],
@@ -224,7 +224,7 @@ def test_a_command_whose_pairs_are_all_refused_runs_nothing_and_says_why(gpu, ca
 
 def test_ours_is_read_against_the_twins_of_its_compute_dtype():
     """amp_bf16 and bf16 rows divide by the bf16 twin; an fp32 row by the fp32 twin, none here."""
-    from benchmarks.gpu_variants import pair_with_twins, twin_precision
+    from benchmarks.gpu.variants import pair_with_twins, twin_precision
 
     assert [twin_precision(p) for p in ("amp_bf16", "bf16", "fp32")] == ["bf16", "bf16", "fp32"]
     base = {"preset": "p", "micro": 8, "checkpointing": False, "ok": True, "data": "tensor", "variant": "base",
@@ -239,7 +239,7 @@ def test_ours_is_read_against_the_twins_of_its_compute_dtype():
 
 
 def test_an_appended_report_pairs_its_cases_with_the_earlier_twins(gpu):
-    """gpu_step.sh's zero part appends zero2 cases to the base part's report (ddp and the twins):
+    """step.sh's zero part appends zero2 cases to the base part's report (ddp and the twins):
     one report, every case read against the same twins, both commands' seconds."""
     args = gpu.parse_args(["--model", "git-rsclip-base", "--profiles", "zero2", "--precisions", "bf16",
                            "--out", "/tmp/unused.json"])
@@ -314,7 +314,7 @@ def test_the_pick_plans_for_a_stated_budget_without_a_gpu(gpu):
 
 
 def test_the_device_tag_names_the_gpu_scripts_json():
-    from benchmarks.gpu_peaks import device_tag
+    from benchmarks.gpu.peaks import device_tag
 
     assert [device_tag(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 NVL", "NVIDIA A100-SXM4-80GB",
                                     "NVIDIA L40S", "NVIDIA GeForce RTX 4090", "cpu")] == \

@@ -10,7 +10,8 @@ import json
 import pytest
 
 from rsclip_ds.config import ConfigError, load_config
-from rsclip_ds.profiles import build_ds_config, load_profile
+from rsclip_ds.profiles import load_profile
+from rsclip_ds.resolve import build_ds_config
 
 BOTH = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True,
         "check_grad_overflow": False}   # (the step's gradient norm guards it: tests/unit/test_step_overhead.py)

@@ -12,7 +12,7 @@ import torch
 from rsclip_ds.checkpoint import (META, POINTER, Checkpointer, complete_tags, prepare_fresh_root, read_pointer, resume_tag,
                                   resolve_checkpoint, tag_for, weights_only_loads, _atomic_write)
 from rsclip_ds.config import CheckpointConfig, ConfigError, load_config
-from rsclip_ds.train import Guard, NonFiniteLoss, TrainResult, _sync
+from rsclip_ds.loop import NonFiniteLoss, TrainResult, _sync
 
 
 def _fake_run(tmp_path, steps=(4, 8, 12), incomplete=(16,), pointer=12):
@@ -106,14 +106,20 @@ def test_weights_only_loads_refuses_arbitrary_objects(tmp_path):
 
 
 def test_consecutive_skipped_steps_stop_the_run_and_fp16_only_counts_them():
-    guard = Guard(max_nonfinite_steps=2)
-    assert [guard.after_step(s, skipped) for s, skipped in [(1, True), (2, False), (3, True)]] == [False] * 3
-    assert guard.after_step(4, True) is True and guard.skip_run == 2
+    from dataclasses import replace
+
+    from tests.unit.fake_engine import FakeEngine, fake_batches, fault_plan, run_loop
+
+    once = run_loop(FakeEngine(), fake_batches(), 6, 2, faults=fault_plan("inject_nan_at_step=1",
+                                                                             "inject_nan_steps=1",
+                                                                             "max_nonfinite_steps=2"))
+    assert once.skipped == [1] and len(once.losses) == 6   # one skip, then finite steps: the count restarts
+    faults = fault_plan("inject_nan_at_step=3", "max_nonfinite_steps=2")
     with pytest.raises(NonFiniteLoss, match=r"2 consecutive steps \(3..4\); each was skipped \(the weights are "
                                            r"those after step 2\)"):
-        raise guard.stop_error(4)
-    fp16 = Guard(max_nonfinite_steps=1, count_nonfinite=False)   # the loss scaler's skips: counted, no stop
-    assert not any(fp16.after_step(s, True) for s in range(1, 6)) and fp16.skip_run == 5
+        run_loop(FakeEngine(), fake_batches(), 8, 2, faults=faults)
+    fp16 = run_loop(FakeEngine(), fake_batches(), 8, 2, faults=replace(faults, count_nonfinite=False))
+    assert fp16.skipped_steps == 6 and fp16.skipped == []   # the loss scaler's skips: no count, no stop
 
 
 def test_sync_on_one_process_means_losses_sums_counts_and_flags():
@@ -164,26 +170,28 @@ def _tag_of_ranks(tmp_path, world: int, data=lambda r: {"position": 10 + r}):
 
 
 def test_universal_loading_is_decided_by_the_saved_world_size(tmp_path):
-    from rsclip_ds.reshard import needs_universal, universal_ds_config
+    from rsclip_ds.config import load_config
+    from rsclip_ds.profiles import load_profile
+    from rsclip_ds.reshard import saved_run
+    from rsclip_ds.resolve import World, deepspeed_config, resolve
 
-    from rsclip_ds.reshard import other_world
+    def plan(world: int, saved):
+        r = resolve(load_config(None, []), load_profile("zero2"), World(world, world), saved=saved)
+        return r.resume.mode, deepspeed_config(r).get("checkpoint", {}).get("load_universal", False)
 
     root, tag_dir = _tag_of_ranks(tmp_path, world=2)
     # stage 0 (the ddp profile): one file holds the whole model and optimizer, which any world loads as it is
-    assert other_world(root, tag_for(4), 3) and not needs_universal(root, tag_for(4), 3)
+    assert plan(3, saved_run(root, tag_for(4))) == ("whole", False)
     for r in range(2):   # ZeRO: each rank's partition of the optimizer state
         (tag_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
-    assert not needs_universal(root, tag_for(4), 2) and needs_universal(root, tag_for(4), 3)
-    assert not needs_universal(root, None, 3) and not other_world(root, None, 3)   # a fresh start
-    base = {"train_batch_size": 12, "checkpoint": {"tag_validation": "Warn"}}
-    assert universal_ds_config(base) == {"train_batch_size": 12,
-                                         "checkpoint": {"tag_validation": "Warn", "load_universal": True}}
-    assert "load_universal" not in base["checkpoint"]   # a copy
+    saved = saved_run(root, tag_for(4))
+    assert plan(2, saved) == ("same", False) and plan(3, saved) == ("universal", True)
+    assert plan(3, None) == ("fresh", False)   # a fresh start
 
 
 def test_new_ranks_get_every_old_ranks_data_a_derived_seed_and_the_history(tmp_path):
     from rsclip_ds.reshard import derived_seed, resharded_client_state
-    from rsclip_ds.train import restore_client_state
+    from rsclip_ds.loop import restore_client_state
 
     _, tag_dir = _tag_of_ranks(tmp_path, world=2)
     states = [resharded_client_state(tag_dir, 2, rank, 4, seed=7) for rank in range(3)]
@@ -220,7 +228,8 @@ def test_a_world_size_change_needs_an_engine_built_for_universal_loading(tmp_pat
     ck = Checkpointer(CheckpointConfig(), root, rank=0, world_size=3, run_config={"seed": 0})
     with pytest.raises(ConfigError, match="written by 2 ranks, this run has 3: load it with rsclip_ds.reshard"):
         ck.load(Engine(), "latest")
-    with pytest.raises(ConfigError, match="written by 2 ranks, this run has 3: build the engine from universal_ds_config"):
+    with pytest.raises(ConfigError,
+                       match=r"written by 2 ranks, this run has 3: build the engine from deepspeed_config\(resolve"):
         load_resharded(ck, Engine(), "latest")
 
 

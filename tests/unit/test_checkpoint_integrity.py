@@ -22,7 +22,7 @@ from rsclip_ds.checkpoint import META, POINTER, Checkpointer, read_pointer, sele
 from rsclip_ds.cli import main
 from rsclip_ds.config import CheckpointConfig, ConfigError
 from rsclip_ds.runtime.integrity import MANIFEST, human, saves_in_run, space_shortfall, verify_tag
-from rsclip_ds.train import TrainResult
+from rsclip_ds.loop import TrainResult
 from tests.unit.forked_ranks import run_ranks
 
 OPTIM = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"

@@ -22,7 +22,7 @@ import torch
 
 from rsclip_ds.config import ConfigError, load_config
 from rsclip_ds.model import apply_activation_checkpointing, apply_patch_dropout, new_dual_encoder, preset_config
-from rsclip_ds.runtime.compilation import CompileConfig, apply_compile, eager_hook, encoder_layers, refusal
+from rsclip_ds.runtime.compilation import CompileConfig, apply_compile, eager_hook, encoder_layers
 from tests.unit.forked_ranks import run_ranks
 
 MICRO = 4
@@ -87,7 +87,7 @@ def test_regional_compile_reuses_one_graph_per_tower_and_equals_eager_under_glob
     from torch._dynamo.utils import counters
 
     from rsclip_ds.losses import siglip_loss
-    from rsclip_ds.train import train_step_global
+    from rsclip_ds.loop import global_optimizer_step
     from tests.helpers import LocalEngine
 
     torch._dynamo.reset()
@@ -113,7 +113,7 @@ def test_regional_compile_reuses_one_graph_per_tower_and_equals_eager_under_glob
             for name, model in (("eager", eager), ("compiled", compiled)):
                 model.zero_grad(set_to_none=True)
                 torch.manual_seed(step)   # the same patches drawn for both
-                loss = train_step_global(LocalEngine(model), batches, siglip_loss, torch.float32)
+                loss = global_optimizer_step(LocalEngine(model), batches, siglip_loss, torch.float32)
                 out[name] = (loss, {n: p.grad for n, p in model.named_parameters()})
             torch.testing.assert_close(out["compiled"][0], out["eager"][0], rtol=1e-5, atol=0)
             for n, grad in out["eager"][1].items():
@@ -182,7 +182,7 @@ def _train(rank: int, world: int, out: str, tokenizer, profile: str, scope: str 
     from torch._dynamo.utils import counters
 
     from rsclip_ds.model import preset_bundle
-    from rsclip_ds.trainer import Trainer
+    from rsclip_ds.assembly import Trainer
 
     counters.clear()
     compiled = [f"compile.enabled={str(scope is not None).lower()}", f"compile.scope={scope or 'layers'}"]
@@ -338,7 +338,8 @@ def test_eager_hook_keeps_evaluation_out_of_the_compiled_graphs():
     (["compile.backend=aot_eager", "compile.mode=max-autotune-no-cudagraphs"], "is an inductor option"),
 ])
 def test_refused_combinations_name_the_reason_and_the_fix(keys, fragment):
-    from rsclip_ds.trainer import check_run
+    from rsclip_ds.assembly import check_run
+    from rsclip_ds.resolve import compile_refusal as refusal
 
     run = load_config(None, ["compile.enabled=true", *keys])
     with pytest.raises(ConfigError, match=fragment):

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from rsclip_ds.config import ConfigError, load_config
-from rsclip_ds.profiles import (RUN_KEYS, activation_checkpointing_enabled, available_profiles,
-                                build_ds_config, derive_batch, load_profile, scaled_lr)
+from rsclip_ds.profiles import RUN_KEYS, available_profiles, load_profile
+from rsclip_ds.resolve import activation_checkpointing_enabled, build_ds_config, derive_batch, scaled_lr
 
 REQUIRED_PROFILES = {"zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"}
 
@@ -167,7 +167,7 @@ def test_train_weights_are_checked_against_the_sources_when_the_config_loads():
 def test_precision_auto_is_amp_bf16_at_stage_0_and_bf16_under_zero():
     """The default, decided from the op census (docs/results/throughput.md#census): the lighter step of the two per
     stage; fp16 and amp on GPUs without bf16; bf16 wherever a bf16.* setting asks for it."""
-    from rsclip_ds.profiles import resolve_run_precision
+    from rsclip_ds.resolve import resolve_run_precision
 
     run = load_config(None, [])
     assert run.precision == "auto"

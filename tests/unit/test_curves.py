@@ -6,7 +6,7 @@ import math
 import pytest
 
 from rsclip_ds.reporting.curves import curve_series, plot_curves
-from rsclip_ds.train import TrainResult
+from rsclip_ds.loop import TrainResult
 
 SUMMARY = {"losses": [9.0, 7.5, 6.0, 5.5], "lrs": [0.0, 1e-3, 1e-3, 5e-4],
            "evals": [{"step": 4, "zero_shot/top1": 0.9, "retrieval/t2i_R@1": 0.2},

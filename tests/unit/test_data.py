@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from rsclip_ds.config import DataConfig
-from rsclip_ds.data import DataError, EpochSchedule, auto_num_workers, build_train_loader, expand_urls
+from rsclip_ds.data import DataError, EpochSchedule, build_train_loader, expand_urls
+from rsclip_ds.resolve import auto_num_workers
 from tests.helpers import wait_for
 
 B = 8  # micro-batch; tiny_shards has 8 train shards of 8 samples

@@ -103,13 +103,13 @@ def test_distill_loss_is_zero_gradient_at_the_teacher_and_uses_each_scale():
 # --------------------------------------------------------------------------- a training step
 
 def _step_on_rank(rank: int, world: int, loss: str, k: int, b: int) -> dict:
-    """One step of train_step / train_step_global with a teacher on this rank's rows, gradients
+    """One step of micro_batch_step / global_optimizer_step with a teacher on this rank's rows, gradients
     averaged as DeepSpeed does; rank 0 compares with one process on the whole batch."""
     import torch.distributed as dist
 
     from rsclip_ds.losses import LOSSES, build_loss
     from rsclip_ds.model import new_dual_encoder, preset_config
-    from rsclip_ds.train import train_step, train_step_global
+    from rsclip_ds.loop import micro_batch_step, global_optimizer_step
     from tests.helpers import LocalEngine
 
     n, config = world * k * b, preset_config("tiny")
@@ -126,9 +126,9 @@ def _step_on_rank(rank: int, world: int, loss: str, k: int, b: int) -> dict:
     loss_fn = build_loss(loss, negatives="global", rank=rank, world_size=world)
     distiller = Distiller(teacher, weight, loss, rank, world)
     if k == 1:
-        value = train_step(engine, micro[0], loss_fn, torch.float32, distiller)
+        value = micro_batch_step(engine, micro[0], loss_fn, torch.float32, distiller)
     else:
-        value = train_step_global(engine, micro, loss_fn, torch.float32, distiller)
+        value = global_optimizer_step(engine, micro, loss_fn, torch.float32, distiller)
     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
     for grad in grads:
         dist.all_reduce(grad)
@@ -164,7 +164,7 @@ def test_distillation_step_on_two_ranks_equals_one_process(loss, k, tmp_path):
 def test_teacher_is_frozen_and_runs_once_per_micro_batch_with_global_accumulation():
     from rsclip_ds.losses import siglip_loss
     from rsclip_ds.model import new_dual_encoder, preset_config
-    from rsclip_ds.train import train_step_global
+    from rsclip_ds.loop import global_optimizer_step
     from tests.helpers import LocalEngine
 
     teacher, calls = _teacher(), []
@@ -177,7 +177,7 @@ def test_teacher_is_frozen_and_runs_once_per_micro_batch_with_global_accumulatio
                 "teacher_pixel_values": torch.randint(0, 256, (2, 3, 48, 48), dtype=torch.uint8, generator=g),
                 "teacher_input_ids": torch.randint(0, 1000, (2, 24), generator=g)} for _ in range(3)]
     engine = LocalEngine(new_dual_encoder(preset_config("tiny"), seed=1))
-    train_step_global(engine, batches, siglip_loss, torch.float32, Distiller(teacher, 1.0, "siglip"))
+    global_optimizer_step(engine, batches, siglip_loss, torch.float32, Distiller(teacher, 1.0, "siglip"))
     assert len(calls) == 3 and all(p.grad is None for p in teacher.parameters())
 
 

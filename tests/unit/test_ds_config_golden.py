@@ -24,7 +24,8 @@ WORLDS = ((1, 1, False), (2, 2, False), (16, 8, True))
 def _cases() -> dict[str, dict]:
     """name -> the DeepSpeed dict, or {"refused": the ConfigError's message}."""
     from rsclip_ds.config import ConfigError, load_config
-    from rsclip_ds.profiles import available_profiles, build_ds_config, load_profile
+    from rsclip_ds.profiles import available_profiles, load_profile
+    from rsclip_ds.resolve import build_ds_config
 
     out = {}
     runs = [(f"{p}/{q}", None, [f"profile={p}", f"precision={q}", "output_dir=runs/golden"])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rsclip_ds.model import new_dual_encoder, preset_config
-from rsclip_ds.train import _rng_state, _set_rng_state
+from rsclip_ds.loop import _rng_state, _set_rng_state
 
 
 def test_rng_replay_gives_the_same_dropout_masks():
@@ -32,7 +32,7 @@ def test_one_micro_batch_on_the_device_at_a_time_and_the_big_batch_gradients(mon
     gradients equal plain torch on the concatenated k x micro samples."""
     import weakref
 
-    import rsclip_ds.train as train_mod
+    import rsclip_ds.loop as train_mod
     from rsclip_ds.losses import siglip_loss
     from tests.helpers import LocalEngine
 
@@ -59,7 +59,7 @@ def test_one_micro_batch_on_the_device_at_a_time_and_the_big_batch_gradients(mon
 
     monkeypatch.setattr(train_mod, "_inputs", copying_inputs)
     engine = Watched(new_dual_encoder(config, seed=1))
-    loss = train_mod.train_step_global(engine, batches, siglip_loss, torch.float32)
+    loss = train_mod.global_optimizer_step(engine, batches, siglip_loss, torch.float32)
     assert events == ["move", "forward(1 on device)"] * (2 * k)
 
     reference = new_dual_encoder(config, seed=1)
@@ -71,12 +71,12 @@ def test_one_micro_batch_on_the_device_at_a_time_and_the_big_batch_gradients(mon
 
 
 def test_the_logit_scale_and_bias_get_their_gradient_once_in_the_last_micro_batch():
-    """train_step_global adds the whole batch's gradient of the logit scale and bias in the last
+    """global_optimizer_step adds the whole batch's gradient of the logit scale and bias in the last
     micro-batch's backward only: DeepSpeed 0.19.8's optimizer-offload paths drop a gradient a
     parameter got only in an earlier micro-batch of the step (measured by the removed
     benchmarks/precision/grad_accum.py: docs/results/training.md#grad-accum). The towers get theirs
     in every micro-batch; the sum still is the big batch's (the test above)."""
-    import rsclip_ds.train as train_mod
+    import rsclip_ds.loop as train_mod
     from rsclip_ds.losses import siglip_loss
     from tests.helpers import LocalEngine
 
@@ -97,6 +97,6 @@ def test_the_logit_scale_and_bias_get_their_gradient_once_in_the_last_micro_batc
             m = self.module
             return [m.logit_scale, m.logit_bias, m.vision_model.embeddings.patch_embedding.weight]
 
-    train_mod.train_step_global(Recording(new_dual_encoder(config, seed=1)), batches, siglip_loss, torch.float32)
+    train_mod.global_optimizer_step(Recording(new_dual_encoder(config, seed=1)), batches, siglip_loss, torch.float32)
     # per backward: (scale changed, bias changed, a tower weight changed)
     assert got == [[False, False, True]] * (k - 1) + [[True, True, True]]

@@ -1,7 +1,7 @@
 """The CUDA / NCCL paths a GPU-less review found wrong (issue 27), checked in-process on CPU: qgZ's
 gradient dtype, the srun and per-rank GPU-binding launch foot-guns, threads per rank, and the
 accelerator (not torch.cuda) deciding pinned memory and the device RNG. What only a GPU can
-confirm is listed by benchmarks/gpu_first_run.py."""
+confirm is listed by benchmarks/gpu/first_run.py."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from rsclip_ds.config import ConfigError, load_config
-from rsclip_ds.profiles import build_ds_config, load_profile
-from rsclip_ds.runtime.distributed import (LaunchError, auto_threads_per_rank, check_launch_env, device_index,
-                                           set_threads_per_rank)
-from rsclip_ds.train import _rng_state, _set_saved_rng, client_state, TrainResult
+from rsclip_ds.profiles import load_profile
+from rsclip_ds.resolve import build_ds_config
+from rsclip_ds.runtime.distributed import LaunchError, check_launch_env, device_index, set_threads
+from rsclip_ds.resolve import Device, auto_threads_per_rank, threads_per_rank
+from rsclip_ds.loop import _rng_state, _set_saved_rng, client_state, TrainResult
 
 
 # --------------------------------------------------------------------------- 1. qgZ under bf16
@@ -105,14 +106,16 @@ def test_threads_per_rank_share_the_node_with_the_loader_workers():
     assert auto_threads_per_rank(96, 8, 3) == 9
     assert auto_threads_per_rank(96, 8, 11) == 1      # data.num_workers=auto takes the rest
     assert auto_threads_per_rank(2, 4, 0) == 1
+    cpu16 = Device("cpu", cores=16)
+    assert threads_per_rank("auto", cpu16, 2, 3)[0] == 5
+    threads, why = threads_per_rank("auto", Device("cpu", cores=16, omp_threads=2), 2, 3)
+    assert threads == 2 and "environment" in why
+    assert threads_per_rank(3, Device("cpu", cores=16, omp_threads=2), 2, 3)[0] == 3
     before = torch.get_num_threads()
     try:
         env: dict = {}
-        assert set_threads_per_rank("auto", 16, 2, 3, env)[0] == 5
+        set_threads(5, env)
         assert torch.get_num_threads() == 5 and env["OMP_NUM_THREADS"] == "5"
-        threads, why = set_threads_per_rank("auto", 16, 2, 3, {"OMP_NUM_THREADS": "2"})
-        assert (threads, torch.get_num_threads()) == (2, 2) and "environment" in why
-        assert set_threads_per_rank(3, 16, 2, 3, {"OMP_NUM_THREADS": "2"})[0] == 3
     finally:
         torch.set_num_threads(before)
 

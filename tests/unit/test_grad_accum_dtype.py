@@ -10,7 +10,8 @@ import json
 import pytest
 
 from rsclip_ds.config import ConfigError, load_config
-from rsclip_ds.profiles import build_ds_config, load_profile
+from rsclip_ds.profiles import load_profile
+from rsclip_ds.resolve import build_ds_config
 
 # 'auto' by profile, as docs/guides/precision.md states it: fp32 where it costs at most 2 bytes per
 # trainable parameter / G of GPU memory (ZeRO-2, ZeRO-3, ZeRO-3 with offload), bf16 at ZeRO-1
@@ -92,8 +93,8 @@ def _accumulation_buffer_on_rank(rank: int, world: int, out: str) -> dict:
     import torch
 
     from rsclip_ds.model import preset_bundle
-    from rsclip_ds.train import train_step
-    from rsclip_ds.trainer import Trainer
+    from rsclip_ds.loop import micro_batch_step
+    from rsclip_ds.assembly import Trainer
 
     run = load_config(None, ["profile=zero2", "precision=bf16", "model.preset=tiny", "batch.micro_batch_size=2",
                              "batch.gradient_accumulation_steps=2", "steps=1", "optim.warmup_steps=0",
@@ -105,7 +106,7 @@ def _accumulation_buffer_on_rank(rank: int, world: int, out: str) -> dict:
     trainable = sum(p.numel() for p in bundle.model.parameters() if p.requires_grad)
     with Trainer(run, model=bundle, loader=iter([batch])) as trainer:
         parts = trainer.build()
-        train_step(parts.engine, batch, parts.loss_fn, torch.bfloat16)
+        micro_batch_step(parts.engine, batch, parts.loss_fn, torch.bfloat16)
         opt = parts.engine.optimizer
         # ZeRO-1/2 with fp32 accumulation: the fp32 partition per group; otherwise the 16-bit one
         groups = [g.flat_partition for g in opt.averaged_gradients.values() if hasattr(g, "flat_partition")]

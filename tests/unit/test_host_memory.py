@@ -79,7 +79,7 @@ def test_freed_buffers_stay_in_the_heap_instead_of_being_unmapped_every_step():
 
 def test_release_leaves_glibc_defaults_and_keep_is_the_default(monkeypatch):
     """distributed.host_memory: run_training keeps freed memory on CPU ranks unless told release."""
-    import rsclip_ds.trainer as trainer
+    import rsclip_ds.assembly as trainer
     from rsclip_ds.config import load_config
 
     calls = []

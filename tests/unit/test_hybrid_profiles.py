@@ -9,8 +9,8 @@ import json
 import pytest
 
 from rsclip_ds.config import ConfigError, load_config
-from rsclip_ds.profiles import (NOT_SHIPPED, PER_NODE, available_profiles, build_ds_config, load_profile,
-                                resolve_per_node)
+from rsclip_ds.profiles import NOT_SHIPPED, PER_NODE, available_profiles, load_profile
+from rsclip_ds.resolve import build_ds_config, resolve_per_node
 
 HYBRID = {   # profile -> (hpZ on, the CUDA-only switches)
     "zero3_hpz": (True, []),

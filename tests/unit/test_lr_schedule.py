@@ -10,7 +10,8 @@ import torch
 
 from rsclip_ds.config import load_config
 from rsclip_ds.engine import lr_scheduler, warmup_cosine
-from rsclip_ds.profiles import build_ds_config, load_profile
+from rsclip_ds.profiles import load_profile
+from rsclip_ds.resolve import build_ds_config
 
 
 def test_warmup_is_linear_from_the_first_step_then_cosine_to_the_floor():

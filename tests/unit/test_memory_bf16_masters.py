@@ -16,7 +16,8 @@ from rsclip_ds.cli.plan import run as cmd_plan
 from rsclip_ds.config import ConfigError, load_config
 from rsclip_ds.planning.memory import model_state_bytes, peak, preset_spec, state_bytes
 from rsclip_ds.planning.planner import Budget, plan
-from rsclip_ds.profiles import build_ds_config, load_profile
+from rsclip_ds.profiles import load_profile
+from rsclip_ds.resolve import build_ds_config
 
 PSI = 10**9
 

@@ -13,29 +13,28 @@ import math
 import pytest
 
 from rsclip_ds.config import ConfigError, load_config
-from rsclip_ds.profiles import build_ds_config, load_profile
+from rsclip_ds.profiles import load_profile
+from rsclip_ds.resolve import build_ds_config
 from rsclip_ds.reporting.load import (HOST_PEAK, DataWaitWatch, add_to_totals, data_wait_outliers, load_summary,
                                       peak_memory, rank_record)
 from rsclip_ds.reporting.metrics import MetricsLog, monitor_events, read_metrics, train_values
 from rsclip_ds.reporting.progress import ProgressReporter
 from rsclip_ds.reporting.summary import _load_rows
-from rsclip_ds.profiles import BatchSizes
-from rsclip_ds.train import Guard, client_state, train
-from tests.unit.fake_engine import FakeEngine, fake_batches, fake_loss
+from rsclip_ds.faults import Faults
+from rsclip_ds.loop import client_state
+from tests.unit.fake_engine import FakeEngine, fake_batches, fault_plan, run_loop
 
 
-def _train(path, steps=8, *, resume=None, stop_after=None, guard=None, monitor=None, hooks=(), log_every=2):
+def _train(path, steps=8, *, resume=None, stop_after=None, faults=None, monitor=None, hooks=(), log_every=2):
     engine = FakeEngine()
-    if guard is not None:
-        guard.arm(engine.module, 0, 1)   # faults.inject_nan_at_step's gradient hook, as the Trainer arms it
     if resume is not None:
         engine.w.data.fill_(resume["w"])
         engine.global_steps = resume["step"]
     log = MetricsLog(path, monitor, resumed_at=resume["step"] if resume else None)
     try:
-        result = train(engine, fake_batches(), fake_loss, BatchSizes(2, 1, 1), steps, log_every,
-                       ProgressReporter(steps, "plain"), guard=guard, metrics=log, hooks=hooks,
-                       resume=resume["state"] if resume else None, stop_after=stop_after)
+        result = run_loop(engine, fake_batches(), steps, log_every, faults=faults, metrics=log, hooks=hooks,
+                          reporter=ProgressReporter(steps, "plain"), resume=resume["state"] if resume else None,
+                          stop_after=stop_after)
     finally:
         log.close()
     return engine, result
@@ -69,14 +68,16 @@ def test_a_line_per_log_step_with_the_loss_history_and_a_resume_appends(tmp_path
 
 def test_the_data_delay_shows_as_data_wait_of_that_rank(tmp_path):
     delay = 0.05
-    _, result = _train(tmp_path / "m.jsonl", steps=4, guard=Guard(inject_data_delay_s=delay))   # the last rank: 0
+    faults = fault_plan(f"inject_data_delay_s={delay}")   # the last rank: 0
+    _, result = _train(tmp_path / "m.jsonl", steps=4, faults=faults)
     lines = read_metrics(tmp_path / "m.jsonl")["train"]
     for r in lines:   # one batch per step, each handed over >= `delay` late (time.sleep's guarantee)
         wait_per_step = r["ranks"]["data_wait"][0] * r["ranks"]["step_s"][0]
         assert delay * (1 - 1e-9) <= wait_per_step < r["ranks"]["step_s"][0], r["ranks"]
     assert load_summary(result.rank_load)["max_data_wait_rank"] == 0
     other = iter([1])   # another rank's batches pass through untouched
-    assert Guard(inject_data_delay_s=delay, inject_data_delay_rank=1).delayed(other, 0, 2) is other
+    elsewhere = fault_plan(f"inject_data_delay_s={delay}", "inject_data_delay_rank=1", world=2)
+    assert Faults(elsewhere, 0).batches(other) is other
 
 
 def test_hook_results_are_eval_lines_on_the_same_step_axis(tmp_path):
@@ -239,11 +240,11 @@ def test_skipped_steps_are_logged_and_enough_in_a_row_stop_the_run_at_the_failin
     """A NaN gradient from step 4 on: each step is skipped (an event line apiece, the count on the train
     lines); the third in a row stops the run at step 6 -- neither a log step (every 4) nor a stop-check
     sync (every 5) -- after a line for it."""
-    from rsclip_ds.train import NonFiniteLoss
+    from rsclip_ds.loop import NonFiniteLoss
 
-    guard = Guard(inject_nan_at_step=4, max_nonfinite_steps=3, stop_check_every=5)
+    faults = fault_plan("inject_nan_at_step=4", "max_nonfinite_steps=3", "stop_check_every=5")
     with pytest.raises(NonFiniteLoss, match=r"not finite for 3 consecutive steps \(4..6\).*after step 3"):
-        _train(tmp_path / "m.jsonl", log_every=4, guard=guard)
+        _train(tmp_path / "m.jsonl", log_every=4, faults=faults)
     m = read_metrics(tmp_path / "m.jsonl")
     assert [r["step"] for r in m["train"]] == [4, 6]
     assert [r["skipped_steps"] for r in m["train"]] == [1, 3] and m["train"][-1]["grad_norm"] is None

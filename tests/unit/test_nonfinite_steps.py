@@ -18,8 +18,9 @@ import torch
 
 from benchmarks.faults import nonfinite
 from rsclip_ds.config import ConfigError, load_config
-from rsclip_ds.finite import plan_guard
-from rsclip_ds.profiles import build_ds_config, guard_plan, load_profile
+from rsclip_ds.resolve import plan_guard
+from rsclip_ds.profiles import load_profile
+from rsclip_ds.resolve import build_ds_config, guard_plan
 from tests.unit.forked_ranks import run_ranks
 
 MICRO = nonfinite.MICRO
@@ -53,7 +54,7 @@ def test_a_step_with_a_nonfinite_gradient_is_skipped_on_every_stage_and_precisio
         assert nonfinite.passed(row), case
     ours = {(p, "bf16") for p in ("zero1", "zero2", "zero2_offload")} | {
         (p, q) for p in ("zero1", "zero2") for q in ("fp32", "amp_bf16", "bf16 masters")} | {
-        ("ddp", "fp32"), ("ddp", "amp_bf16"), ("ddp", "amp")}
+        ("ddp", "fp32"), ("ddp", "amp_bf16"), ("ddp", "amp"), ("zero2", "bf16 k=2")}
     assert {(r["profile"], r["precision"]) for r in ranks[0]["value"] if r["guard"] == "rsclip"} == ours
     for other in ranks[1:]:   # the ranks agree: the same decisions, each its own partition equal to its reference
         assert [(r["profile"], r["precision"], r["equal"], r["skipped"]) for r in other["value"]] == \
@@ -130,7 +131,7 @@ def _poison_master(engine) -> None:
 
 def _train(rank, out, tokenizer, steps, *sets, hooks=()):
     from rsclip_ds.model import preset_bundle
-    from rsclip_ds.trainer import Trainer
+    from rsclip_ds.assembly import Trainer
 
     run = load_config(None, ["profile=zero2", "precision=bf16", f"steps={steps}", "optim.warmup_steps=1",
                              f"batch.micro_batch_size={MICRO}",

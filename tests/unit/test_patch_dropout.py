@@ -12,7 +12,7 @@ import torch
 from rsclip_ds.losses import siglip_loss
 from rsclip_ds.model import new_dual_encoder, preset_config
 from rsclip_ds.model import PatchDropout, PatchDropoutSwitch, apply_patch_dropout, kept_tokens
-from rsclip_ds.train import train_step_global
+from rsclip_ds.loop import global_optimizer_step
 from tests.helpers import LocalEngine, planned_zero2
 
 N = 64   # tiny: 64 px / 8 px patches = 8 x 8
@@ -99,7 +99,7 @@ class _Replaying(PatchDropout):
 
 
 def test_global_accumulation_equals_the_big_batch_with_the_same_masks():
-    """train_step_global's replayed pass keeps the cached pass's patches (the RNG replay), and its
+    """global_optimizer_step's replayed pass keeps the cached pass's patches (the RNG replay), and its
     loss and gradients equal one big-batch forward/backward over the same kept patches."""
     k, micro, p = 3, 4, 0.5
     pixels, ids = _inputs(k * micro)
@@ -108,7 +108,7 @@ def test_global_accumulation_equals_the_big_batch_with_the_same_masks():
     recorder = _Recording(p)
     model.vision_model.embeddings.register_forward_hook(recorder)
     engine = LocalEngine(model)
-    loss = train_step_global(engine, batches, siglip_loss, torch.float32)
+    loss = global_optimizer_step(engine, batches, siglip_loss, torch.float32)
     cached, replayed = recorder.masks[:k], recorder.masks[k:]
     assert len(recorder.masks) == 2 * k and all(m.shape == (micro, N // 2) for m in replayed)
     assert all(torch.equal(a, b) for a, b in zip(cached, replayed))
@@ -157,9 +157,8 @@ class _TrainEngine(LocalEngine):
 def test_switch_off_for_the_last_steps_in_the_train_loop(caplog):
     """steps=6, patch_dropout_off_last_steps=2: steps 1-4 masked, 5-6 on every patch; the log
     names the step. A run resumed past the switch point starts unmasked."""
-    from rsclip_ds.profiles import BatchSizes
     from rsclip_ds.reporting.progress import ProgressReporter
-    from rsclip_ds.train import train
+    from tests.unit.fake_engine import run_loop
 
     model = new_dual_encoder(preset_config("tiny"), seed=1)
     dropout = apply_patch_dropout(model, 0.75)
@@ -170,8 +169,8 @@ def test_switch_off_for_the_last_steps_in_the_train_loop(caplog):
     batches = iter(lambda: {"pixel_values": pixels, "input_ids": ids}, None)
     with caplog.at_level(logging.INFO, logger="rsclip_ds"):
         switch = PatchDropoutSwitch(dropout, steps=6, off_last_steps=2)
-        train(_TrainEngine(model), batches, siglip_loss, BatchSizes(2, 1, 1), 6, 3, ProgressReporter(6, "plain"),
-              hooks=[switch])
+        run_loop(_TrainEngine(model), batches, 6, 3, reporter=ProgressReporter(6, "plain"), hooks=[switch],
+                 loss=siglip_loss)
     assert tokens == [16] * 4 + [64] * 2
     assert "patch dropout 0.75 off after step 4: steps 5.. run on every patch" in caplog.text
 

@@ -14,7 +14,7 @@ from rsclip_ds.config import ConfigError, DataConfig
 from rsclip_ds.data import Normalize, build_train_loader, check_shared_memory
 from rsclip_ds.losses import siglip_loss
 from rsclip_ds.model import ModelBundle, new_dual_encoder, normalize_pixels, preset_config
-from rsclip_ds.train import train_step, train_step_global
+from rsclip_ds.loop import micro_batch_step, global_optimizer_step
 from tests.helpers import LocalEngine
 
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -93,9 +93,9 @@ def test_a_train_step_on_uint8_gives_the_loss_and_gradients_of_the_float_batch(a
             batches.append({"pixel_values": pixels if as_uint8 else _old_float(pixels, (0.5,) * 3, (0.5,) * 3),
                             "input_ids": ids})
         if accumulation == 1:
-            loss = train_step(engine, batches[0], siglip_loss, torch.float32)
+            loss = micro_batch_step(engine, batches[0], siglip_loss, torch.float32)
         else:
-            loss = train_step_global(engine, batches, siglip_loss, torch.float32)
+            loss = global_optimizer_step(engine, batches, siglip_loss, torch.float32)
         losses.append(loss)
         grads.append([p.grad for p in engine.module.parameters()])
     assert torch.equal(losses[0], losses[1])

@@ -255,7 +255,7 @@ def test_the_issue_44_setups_under_amp_bf16(preset, budget, global_batch, pick, 
 
 
 def test_amp_is_recommended_at_stage_0_only_and_bf16_masters_never_at_stage_0(base):
-    """precision=amp: DeepSpeed's ZeRO skips every step (profiles.build_ds_config refuses it), so only ddp is a
+    """precision=amp: DeepSpeed's ZeRO skips every step (resolve.py refuses it), so only ddp is a
     candidate and the ZeRO rows say why; bf16 master weights ask for bf16 weights, which stage 0 refuses, so ddp
     is the row left out."""
     budget = Budget(2, 1, 24 * GB)

@@ -5,10 +5,11 @@ import logging
 from rich.console import Console
 
 from rsclip_ds.config import load_config
-from rsclip_ds.profiles import derive_batch, load_profile
+from rsclip_ds.profiles import load_profile
+from rsclip_ds.resolve import derive_batch
 from rsclip_ds.reporting.progress import ProgressReporter
 from rsclip_ds.reporting.summary import build_summary, print_summary, write_summary
-from rsclip_ds.train import TrainResult
+from rsclip_ds.loop import TrainResult
 
 
 def test_plain_progress_logs_loss_lr_rate_and_loss_scale(caplog):

@@ -22,7 +22,9 @@ from rsclip_ds.data.bad import DataError
 from rsclip_ds.runtime.heartbeat import Heartbeat
 from rsclip_ds.runtime.rank_errors import (RankError, RankErrors, describe, format_beat, is_peer_loss,
                                            parse_beat)
-from rsclip_ds.train import LoaderWorkerDied, NonFiniteLoss, PeerFailed, Preempted
+from rsclip_ds.data.workers import LoaderWorkerDied
+from rsclip_ds.loop import NonFiniteLoss, Preempted
+from rsclip_ds.runtime.rank_errors import PeerFailed
 
 INTERVAL = 0.05
 

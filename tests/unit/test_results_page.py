@@ -183,7 +183,7 @@ def test_check_reports_a_missing_and_an_extra_page(results, tmp_path, capsys):
 
 
 def test_a_gpu_report_fills_the_gpu_section(results):
-    """gpu.py's rows as benchmarks/gpu.py writes them (fields of a CPU smoke run, numbers changed)."""
+    """gpu/run.py's rows as benchmarks/gpu/run.py writes them (fields of a CPU smoke run, numbers changed)."""
     case = {"case": "git-rsclip-base/zero2/no-ac/micro256", "preset": "git-rsclip-base", "profile": "zero2",
             "checkpointing": False, "micro": 256, "data": "tensor", "ok": True, "device": "NVIDIA H200",
             "samples_per_s": 1987.4, "step_ms": 128.8, "achieved_tflops": 276.2, "mfu": 0.2793, "hfu": 0.2793,

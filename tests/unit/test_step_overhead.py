@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from rsclip_ds.config import load_config
-from rsclip_ds.profiles import build_ds_config, load_profile
-from rsclip_ds.trainer import step_decisions
+from rsclip_ds.profiles import load_profile
+from rsclip_ds.resolve import Device, World, build_ds_config, resolve
 from tests.unit.forked_ranks import run_ranks
 
 MICRO = 4
@@ -29,6 +29,10 @@ def _ds(profile: str, world: int, *sets: str) -> dict:
                            on_gpu=False, local_world_size=world)
 
 
+def step_decisions(run, profile, world: int) -> list[str]:
+    return resolve(run, profile, World(world, world), Device("cpu")).step_decisions()
+
+
 def test_bf16_runs_drop_the_per_gradient_check_and_one_rank_drops_overlap_comm():
     ds = _ds("zero2", 1, "precision=bf16")
     assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False}
@@ -38,16 +42,16 @@ def test_bf16_runs_drop_the_per_gradient_check_and_one_rank_drops_overlap_comm()
     assert _ds("zero2", 1, "precision=bf16", "bf16.check_grad_overflow=true")["bf16"]["check_grad_overflow"] is True
     assert "check_grad_overflow" not in _ds("zero2", 1, "precision=fp16")["bf16"]      # fp16: the loss scaler's
     run = load_config(None, ["profile=zero2", "precision=bf16"])
-    said = step_decisions(run, load_profile("zero2"), ds, 1)
+    said = step_decisions(run, load_profile("zero2"), 1)
     assert len(said) == 3 and "skipped by rsclip_ds" in said[0] and "clipping at 1 by rsclip_ds" in said[1]
     assert "overlap_comm off" in said[2]
-    assert step_decisions(run, load_profile("zero2"), _ds("zero2", 2, "precision=bf16"), 2) == said[:2]
+    assert step_decisions(run, load_profile("zero2"), 2) == said[:2]
     fp32 = load_config(None, ["profile=zero2", "precision=fp32"])
-    said = step_decisions(fp32, load_profile("zero2"), _ds("zero2", 2, "precision=fp32"), 2)
+    said = step_decisions(fp32, load_profile("zero2"), 2)
     assert said[0].startswith("a step whose gradient norm is not finite is skipped by rsclip_ds (ZeRO-2 fp32: "
                               "rsclip_ds computes the gradient norm")
     assert said[1].startswith("clipping at 1 by rsclip_ds's step guard") and len(said) == 2
-    offload = step_decisions(fp32, load_profile("zero2_offload"), _ds("zero2_offload", 2, "precision=fp32"), 2)
+    offload = step_decisions(fp32, load_profile("zero2_offload"), 2)
     assert offload[0].startswith("a step whose gradient norm is not finite is skipped by DeepSpeed (ZeRO-2 fp32")
 
 
@@ -67,8 +71,8 @@ def _steps(rank: int, world: int, out: str, profile: str, deepspeed_defaults: bo
     from benchmarks.census import OpCensus
     from rsclip_ds.engine import engine_dtype
     from rsclip_ds.model import maybe_gathered, preset_bundle
-    from rsclip_ds.train import train_step
-    from rsclip_ds.trainer import Trainer
+    from rsclip_ds.loop import micro_batch_step
+    from rsclip_ds.assembly import Trainer
 
     checked = ["bf16.check_grad_overflow=true"] if deepspeed_defaults else []
     run = load_config(None, [f"profile={profile}", "precision=bf16", "model.preset=tiny", "steps=3",
@@ -79,11 +83,12 @@ def _steps(rank: int, world: int, out: str, profile: str, deepspeed_defaults: bo
     state = {"step": 0}
     weight = bundle.model.vision_model.encoder.layers[0].mlp.fc1.weight
     weight.register_hook(lambda g: g * math.nan if state["step"] == nan_grad_at else g)
-    trainer = Trainer(run, model=bundle, loader=batches)
-    if deepspeed_defaults:   # and ZeRO-3's hooks on every submodule (no leaf modules)
-        trainer.ds_config["zero_optimization"]["overlap_comm"] = load_profile(profile).strategy[
-            "zero_optimization"]["overlap_comm"]
-        trainer.ds_config["zero_optimization"].pop("leaf_module", None)
+
+    def defaults(ds: dict) -> None:   # and ZeRO-3's hooks on every submodule (no leaf modules)
+        ds["zero_optimization"]["overlap_comm"] = load_profile(profile).strategy["zero_optimization"]["overlap_comm"]
+        ds["zero_optimization"].pop("leaf_module", None)
+
+    trainer = Trainer(run, model=bundle, loader=batches, deepspeed_overrides=defaults if deepspeed_defaults else None)
     losses, skipped = [], []
     with trainer:
         parts = trainer.build()
@@ -92,7 +97,7 @@ def _steps(rank: int, world: int, out: str, profile: str, deepspeed_defaults: bo
         for step in (1, 2, 3):
             state["step"] = step
             with census if step == 3 else contextlib.nullcontext():
-                loss = train_step(engine, next(batches), parts.loss_fn, engine_dtype(engine))
+                loss = micro_batch_step(engine, next(batches), parts.loss_fn, engine_dtype(engine))
             losses.append(float(loss))
             skipped.append(engine.skipped_steps)
         params = list(engine.module.parameters())
@@ -156,8 +161,8 @@ def _lora_zero3(rank: int, world: int, out: str, profile: str, lora: bool) -> di
     (persistence threshold 0), with LoRA on both towers (no activation checkpointing) or without."""
     from rsclip_ds.engine import engine_dtype
     from rsclip_ds.model import preset_bundle
-    from rsclip_ds.train import train_step
-    from rsclip_ds.trainer import Trainer
+    from rsclip_ds.loop import micro_batch_step
+    from rsclip_ds.assembly import Trainer
 
     sets = [f"profile={profile}", "precision=bf16", "model.preset=tiny", "steps=2", f"batch.micro_batch_size={MICRO}",
             "optim.warmup_steps=0", f"output_dir={out}/{rank}", "checkpoint.at_end=false",
@@ -169,7 +174,7 @@ def _lora_zero3(rank: int, world: int, out: str, profile: str, lora: bool) -> di
     batches = _batches(rank, bundle.model.config.text_config.vocab_size)
     with Trainer(run, model=bundle, loader=batches) as trainer:
         parts = trainer.build()
-        losses = [float(train_step(parts.engine, next(batches), parts.loss_fn, engine_dtype(parts.engine)))
+        losses = [float(micro_batch_step(parts.engine, next(batches), parts.loss_fn, engine_dtype(parts.engine)))
                   for _ in range(2)]
         return {"losses": losses, "leaves": "leaf_module" in trainer.ds_config["zero_optimization"]}
 

@@ -28,14 +28,14 @@ def _batches(vocab: int) -> list[dict]:
 
 
 def _losses(rank: int, world: int, out: str, profile: str, precision: str) -> dict:
-    """Ours (Trainer, train_step) and the twin on a copy of the same initial model, five steps each
+    """Ours (Trainer, micro_batch_step) and the twin on a copy of the same initial model, five steps each
     on the same batches -> both loss lists; also the twin's without warm-up (warmup_steps=0: every
     step at the peak, the twin's old schedule) to show the tolerance tells the schedules apart."""
     from benchmarks.twin import PlainLoop
     from rsclip_ds.engine import engine_dtype
     from rsclip_ds.model import preset_bundle
-    from rsclip_ds.train import train_step
-    from rsclip_ds.trainer import Trainer
+    from rsclip_ds.loop import micro_batch_step
+    from rsclip_ds.assembly import Trainer
 
     run = load_config(None, [f"profile={profile}", f"precision={precision}", "model.preset=tiny", f"steps={STEPS}",
                              f"batch.micro_batch_size={MICRO}", "optim.warmup_steps=3", "optim.lr=5e-3",
@@ -47,7 +47,7 @@ def _losses(rank: int, world: int, out: str, profile: str, precision: str) -> di
     with Trainer(run, model=bundle, loader=batches) as trainer:
         parts = trainer.build()
         engine = parts.engine
-        ours = [float(train_step(engine, b, parts.loss_fn, engine_dtype(engine))) for b in batches]
+        ours = [float(micro_batch_step(engine, b, parts.loss_fn, engine_dtype(engine))) for b in batches]
 
     def twin(optim) -> list[float]:
         loop = PlainLoop(copy.deepcopy(initial), precision=precision, optim=optim, clip=run.optim.gradient_clipping,

@@ -14,13 +14,14 @@ import pytest
 
 from rsclip_ds.config import load_config
 from rsclip_ds.evaluation.suite import CLASSIFICATION, RETRIEVAL, RETRIEVAL_KEYS
-from rsclip_ds.profiles import BatchSizes, build_ds_config, load_profile
+from rsclip_ds.profiles import load_profile
+from rsclip_ds.resolve import build_ds_config
 from rsclip_ds.reporting.metrics import MetricsLog, read_metrics
 from rsclip_ds.reporting.progress import ProgressReporter
 from rsclip_ds.reporting.wandb_log import build_wandb_log, markdown_tables, read_offline_run, state_path
 from rsclip_ds.runtime.distributed import configure_wandb_offline
-from rsclip_ds.train import client_state, train
-from tests.unit.fake_engine import FakeEngine, fake_batches, fake_loss
+from rsclip_ds.loop import client_state
+from tests.unit.fake_engine import FakeEngine, fake_batches, run_loop
 
 GLOBAL_BATCH = 64
 
@@ -72,9 +73,8 @@ def _segment(out, *, steps=8, resume=None, stop_after=None, exit_code=0):
     log = MetricsLog(out / "metrics.jsonl", engine.monitor, resumed_at=step, wandb=wb)
     engine.monitor = wb.deepspeed_monitor(engine)   # after MetricsLog took the original (None here)
     try:
-        result = train(engine, fake_batches(), fake_loss, BatchSizes(2, 1, 1), steps, 2, ProgressReporter(steps, "plain"),
-                       metrics=log, hooks=[eval_hook(out)], resume=resume["state"] if resume else None,
-                       stop_after=stop_after)
+        result = run_loop(engine, fake_batches(), steps, 2, reporter=ProgressReporter(steps, "plain"), metrics=log,
+                          hooks=[eval_hook(out)], resume=resume["state"] if resume else None, stop_after=stop_after)
     finally:
         log.close()
     run_id = wb.run.id

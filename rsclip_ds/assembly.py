@@ -1,14 +1,17 @@
-"""The composition root: the one place a training run is assembled from a `RunConfig`.
+"""Assembling a run: the one place a training run is built from a `RunConfig`.
 
-    with Trainer(run) as trainer:          # process group, SIGTERM flag, heartbeat, logging
-        summary = trainer.train()          # model, engine, checkpointer, loader, loss -> train()
+    with Trainer(run) as trainer:          # resolve.py decides everything, then the process group, SIGTERM, heartbeat
+        summary = trainer.train()          # model, engine, checkpointer, loader, loss -> loop.train()
 
-The order of assembly is stated once, in `Trainer.build`: profile and DeepSpeed config (checked
-before any process group) -> model (+ activation checkpointing) -> evaluation hook (reads its
-data sets before training) -> engine -> checkpointer (+ resume) -> loader (at the resumed
-position; then the /dev/shm check) -> loss -> fault guard. The CLI, the evaluation worker, the
-benchmarks and the tests all build runs here; a benchmark swaps a part through the seams
-(`model=`, `wrap_loader=`, `hooks=`), never by patching the package.
+`check_run` makes every decision before any process group (resolve.py; a refusal names the fix) and checks
+what needs a file (the model source, the teacher, the shards). The order of assembly is stated once, in
+`Trainer.build`: the checkpoint every rank verified -> the model (+ fine-tuning, activation checkpointing,
+patch dropout, an injected fault's hook) -> the record again with what the run has learnt (the checkpoint,
+the model's layers that cannot be ZeRO-3 leaves) -> {output_dir}/config.json, ds_config.json, resolved.json and
+the start-up lines -> evaluation sets -> engine (+ step guard, stage-0 gradient buckets) -> checkpointer (+
+resume) -> loader (at the resumed position; then the /dev/shm check) -> loss. The CLI, the evaluation worker,
+the benchmarks and the tests all build runs here; a benchmark swaps a part through the seams (`model=`,
+`loader=`, `wrap_loader=`, `hooks=`, `deepspeed_overrides=`), never by patching the package.
 """
 
 from __future__ import annotations
@@ -17,41 +20,30 @@ import json
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
-from rsclip_ds.runtime.compilation import apply_compile, compile_line, eager_hook, refusal as compile_refusal
-from rsclip_ds.checkpoint import (Checkpointer, checkpoint_root, complete_tags, finite_fallback,
-                                  prepare_fresh_root, select_resume_tag, tag_for, write_hf_extras)
+from rsclip_ds.checkpoint import (Checkpointer, checkpoint_root, complete_tags, finite_fallback, prepare_fresh_root,
+                                  resume_tag, select_resume_tag, tag_for, write_hf_extras)
 from rsclip_ds.config import ConfigError, RunConfig
 from rsclip_ds.data import build_train_loader, check_shared_memory, expand_urls
-from rsclip_ds.data.loader import available_cores
-from rsclip_ds.runtime.distributed import (DistInfo, StopFlag, accelerator_has_bf16, accelerator_is_gpu,
-                                           check_launch_env,
-                                   configure_logging, configure_wandb_offline, destroy_distributed,
-                                   init_distributed, set_threads_per_rank,
-                                   process_group_exists, seconds_since_process_start, world_size_from_env)
 from rsclip_ds.distill.teacher import Distiller, check_distill, load_teacher
-from rsclip_ds.engine import build_engine, drop_unsafe_leaf_modules, lr_scheduler, set_fp32_masters
+from rsclip_ds.engine import build_engine, lr_scheduler, set_fp32_masters
 from rsclip_ds.evaluation.hook import build_eval_hook
+from rsclip_ds.faults import Faults
 from rsclip_ds.finetune import apply_finetune, param_groups
-from rsclip_ds.runtime.heartbeat import Heartbeat, default_store
-from rsclip_ds.runtime.rank_errors import PeerFailed, RankError, RankErrors
-from rsclip_ds.runtime.host_memory import host_memory_said, host_memory_state, keep_freed_memory
+from rsclip_ds.finite import check_weights, install_step_guard
+from rsclip_ds.gradients import build_gradient_buckets
 from rsclip_ds.hub import check_source, resolve_source_per_node
+from rsclip_ds.loop import Hook, Objective, Observers, Preempted, TrainResult, train
 from rsclip_ds.losses import build_loss
 from rsclip_ds.model import (ModelBundle, PatchDropoutSwitch, apply_activation_checkpointing, apply_patch_dropout,
                              build_model)
-from rsclip_ds.finite import check_weights, install_step_guard
-from rsclip_ds.gradients import build_gradient_buckets
-from rsclip_ds.precision import uses_fp16, weight_dtype
-from rsclip_ds.profiles import (BatchSizes, Profile, activation_checkpointing_enabled, build_ds_config,
-                                derive_batch, guard_plan, load_profile, one_rank_overlap, resolve_run_precision,
-                                scaled_lr)
+from rsclip_ds.profiles import load_profile
 from rsclip_ds.reporting.curves import plot_curves
 from rsclip_ds.reporting.epochs import epochs_record, startup_lines
 from rsclip_ds.reporting.load import DataWaitWatch
@@ -59,83 +51,76 @@ from rsclip_ds.reporting.metrics import MetricsLog, mfu_of
 from rsclip_ds.reporting.progress import ProgressReporter
 from rsclip_ds.reporting.summary import build_summary, print_summary, write_summary
 from rsclip_ds.reporting.wandb_log import build_wandb_log
-from rsclip_ds.reshard import load_resharded, needs_universal, other_world, universal_ds_config
-from rsclip_ds.runtime.storage import check_shared_dir
+from rsclip_ds.reshard import load_resharded, saved_run
+from rsclip_ds.resolve import (BatchSizes, Device, ResolvedRun, World, deepspeed_config, resolve,
+                               teacher_ds_config, with_facts)
+from rsclip_ds.runtime.compilation import apply_compile, compile_line, eager_hook
+from rsclip_ds.runtime.distributed import (DistInfo, StopFlag, accelerator_is_gpu, check_launch_env, configure_logging,
+                                           configure_wandb_offline, destroy_distributed, init_distributed,
+                                           process_group_exists, seconds_since_process_start, set_threads)
+from rsclip_ds.runtime.heartbeat import Heartbeat, default_store
+from rsclip_ds.runtime.host_memory import host_memory_said, host_memory_state, keep_freed_memory
 from rsclip_ds.runtime.integrity import DiskFullError, checkpoint_bytes, param_counts, saves_in_run, space_shortfall
-from rsclip_ds.train import DiskFull, Guard, LoaderWorkerDied, Preempted, TrainResult, train
+from rsclip_ds.runtime.layers import unsafe_zero3_leaves
+from rsclip_ds.runtime.rank_errors import PeerFailed, RankError, RankErrors, RunStopped
+from rsclip_ds.runtime.storage import check_shared_dir
+from rsclip_ds.data.workers import LoaderWorkerDied
 
 log = logging.getLogger("rsclip_ds")
-Hook = Callable[[int, Any], "dict | None"]
 
 
-def check_run(run: RunConfig, *, shards: bool = True) -> tuple[RunConfig, Profile, dict, str]:
-    """Everything that can fail without a process group: profile, precision (`auto` made concrete for the
-    profile and the device), DeepSpeed config, model source, shards (unless the caller brings its own
-    batches) -> (the run with its precision, profile, DeepSpeed config, why that precision). Raises
-    ConfigError naming the fix."""
-    check_launch_env()   # before world_size_from_env() takes a missing WORLD_SIZE for a world of one
+class DiskFull(RunStopped):
+    exit_code = 6    # a checkpoint save found no room (ENOSPC/EDQUOT): the message names the intact tag
+    shared = said_by_rank0 = True    # every rank raises rank 0's message after the save's all-gather
+
+
+def check_run(run: RunConfig, *, shards: bool = True, world: World | None = None,
+              device: Device | None = None) -> ResolvedRun:
+    """Everything that can fail without a process group -> the resolved run (resolve.py) for the launcher's
+    world (``world``) on this machine's accelerator (``device``): every decision and refusal, the checkpoint
+    checkpoint.resume names, then what needs a file -- the model source, a teacher, the shards (unless the
+    caller brings its own batches). Raises ConfigError naming the fix."""
+    check_launch_env()   # before World.from_env() takes a missing WORLD_SIZE for a world of one
     profile = load_profile(run.profile)
-    run, precision_why = resolve_run_precision(run, profile, accelerator_has_bf16())
-    ds_config = build_ds_config(run, profile, world_size_from_env(), on_gpu=accelerator_is_gpu())
+    c = run.checkpoint
+    tag = resume_tag(checkpoint_root(run.output_dir), c.resume) if c.resume else None   # verified in build()
+    resolved = resolve(run, profile, world or World.from_env(), device or Device.current(),
+                       saved=saved_run(checkpoint_root(run.output_dir), tag) if tag else None)
     check_source(run.model)
-    check_distill(run.distill, ds_config.get("zero_optimization", {}).get("stage", 0))
-    why = compile_refusal(run.compile, zero_stage=ds_config.get("zero_optimization", {}).get("stage", 0),
-                          on_gpu=accelerator_is_gpu())
-    if why:
-        raise ConfigError(why)
-    for key in ("inject_data_delay_rank", "inject_rank"):
-        rank = getattr(run.faults, key)
-        if rank is not None and rank >= world_size_from_env():
-            raise ConfigError(f"faults.{key}={rank}, but the run has {world_size_from_env()} rank(s): name a rank "
-                              f"below that")
-    if run.faults.inject_worker_kill_at_step and run.data.num_workers == 0:
-        raise ConfigError("faults.inject_worker_kill_at_step needs a DataLoader worker: set data.num_workers >= 1")
-    if not shards:
-        return run, profile, ds_config, precision_why
-    if not run.data.train_shards:
-        raise ConfigError("data.train_shards is not set: point it at webdataset shards, e.g. "
-                          "--set data.train_shards='data/synthetic/train-{000000..000007}.tar' "
-                          "(make some with `rsclip-ds make-synthetic --out data/synthetic`)")
-    try:
-        expand_urls(run.data.train_shards)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    return run, profile, ds_config, precision_why
-
-
-def step_decisions(run: RunConfig, profile: Profile, ds_config: dict, world_size: int) -> list[str]:
-    """What build_ds_config decided about the step on the user's behalf, for the start-up line."""
-    plan = guard_plan(run, profile)
-    said = [f"a step whose gradient norm is not finite is skipped by "
-            f"{'rsclip_ds' if plan.skips == 'rsclip' else 'DeepSpeed'} ({plan.reason})"]
-    if plan.clips == "rsclip" and run.optim.gradient_clipping:
-        said.append(f"clipping at {run.optim.gradient_clipping:g} by rsclip_ds's step guard (ds_config.json's "
-                    f"gradient_clipping is 0)")
-    if profile.stage == 0:
-        said.append("no gradient all-reduce (one rank)" if world_size == 1 else
-                    "gradients averaged by rsclip_ds's overlapped all-reduce (buckets of "
-                    f"{int(ds_config.get('zero_optimization', {}).get('reduce_bucket_size', 10**7)):,} elements; "
-                    "DeepSpeed's stage-0 reduction waits for the whole backward and copies every gradient twice)")
-    if one_rank_overlap(profile, world_size):
-        said.append(f"overlap_comm off (one rank: ZeRO-{profile.stage} has no reduction to overlap, and "
-                    f"DeepSpeed would sync the device at every bucket)")
-    return said
+    check_distill(run.distill, resolved.zero.stage)
+    if shards:
+        if not run.data.train_shards:
+            raise ConfigError("data.train_shards is not set: point it at webdataset shards, e.g. "
+                              "--set data.train_shards='data/synthetic/train-{000000..000007}.tar' "
+                              "(make some with `rsclip-ds make-synthetic --out data/synthetic`)")
+        try:
+            expand_urls(run.data.train_shards)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    return resolved
 
 
 @dataclass
 class Parts:
     """What `Trainer.build` made; `train()` runs them, tests and benchmarks may inspect them."""
-    batch: BatchSizes
+    resolved: ResolvedRun       # the run's decisions, as the engine was built from them
     bundle: ModelBundle
-    activation_checkpointing: bool
     engine: Any
     checkpointer: Checkpointer
     loader: Any                 # TrainLoader, or what `wrap_loader` made of it
     loss_fn: Callable
-    guard: Guard
+    faults: Faults
     hooks: list[Hook]
     resume: dict | None         # this rank's saved client state
     distiller: Distiller | None = None   # distill.teacher's term (rsclip_ds.distill)
+
+    @property
+    def batch(self) -> BatchSizes:
+        return self.resolved.batch
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self.resolved.activation_checkpointing
 
 
 class Trainer:
@@ -143,15 +128,21 @@ class Trainer:
     exists: then it is left to its owner), the SIGTERM flag and the heartbeat; leaving stops
     them. Seams: ``model`` a ready ModelBundle instead of `build_model(run.model)`;
     ``loader`` a ready iterable of batches ({"pixel_values", "input_ids"}) instead of the shard
-    loader (data.train_shards is then not needed); ``wrap_loader(loader)`` wraps the shard
-    loader (it must keep `state_dict`/`bad_data` or pass them through); ``hooks(step, engine)``
-    run after every optimizer step."""
+    loader (data.train_shards is then not needed, and the run has no loader workers);
+    ``wrap_loader(loader)`` wraps the shard loader (it must keep `state_dict`/`bad_data` or pass them
+    through); ``hooks(step, engine)`` run after every optimizer step; ``deepspeed_overrides(ds_config)``
+    edits DeepSpeed's dict in place before the engine is built (a test's "what DeepSpeed would run without
+    this decision of ours")."""
 
     def __init__(self, run: RunConfig, *, hooks: Sequence[Hook] = (), model: ModelBundle | None = None,
-                 loader: Any = None, wrap_loader: Callable[[Any], Any] | None = None):
+                 loader: Any = None, wrap_loader: Callable[[Any], Any] | None = None,
+                 deepspeed_overrides: Callable[[dict], None] | None = None):
         self.extra_hooks, self.model = list(hooks), model
-        self.loader, self.wrap_loader = loader, wrap_loader
-        self.run, self.profile, self.ds_config, self.precision_why = check_run(run, shards=loader is None)
+        self.loader, self.wrap_loader, self.deepspeed_overrides = loader, wrap_loader, deepspeed_overrides
+        if loader is not None:   # the caller's batches: no loader workers share this rank's cores
+            run = run.model_copy(update={"data": run.data.model_copy(update={"num_workers": 0})})
+        self.resolved = check_run(run, shards=loader is None)
+        self.ds_config = deepspeed_config(self.resolved)
         self.info: DistInfo | None = None
         self.parts: Parts | None = None
         self.wandb = None   # rank 0's reporting.wandb_log.WandbLog under logging.wandb (train() makes it)
@@ -160,6 +151,15 @@ class Trainer:
         self._owns_group = False
         # seconds per start-up phase, in order (train() adds the first step; the summary has all)
         self.startup: dict[str, float | None] = {}
+
+    @property
+    def run(self) -> RunConfig:
+        """The run config, its precision made concrete."""
+        return self.resolved.config
+
+    @property
+    def profile(self):
+        return self.resolved.profile
 
     @contextmanager
     def _phase(self, name: str):
@@ -205,7 +205,6 @@ class Trainer:
         if self.parts is not None:
             return self.parts
         run, info = self.run, self.info
-        batch = derive_batch(run, info.world_size)
         root = checkpoint_root(run.output_dir)
         c = run.checkpoint
         if c.every or c.at_end or c.resume:   # every rank writes shards there and may read them back
@@ -216,35 +215,34 @@ class Trainer:
                                 world_size=info.world_size) if c.resume else None
         if tag is None:
             prepare_fresh_root(root, run.checkpoint.overwrite, info.rank)
-        # a tag of another world size loads through DeepSpeed's universal format, which the
-        # engine reads from its config at deepspeed.initialize: decided here, before the engine
-        resharded = other_world(root, tag, info.world_size)
-        if needs_universal(root, tag, info.world_size):   # ZeRO partitions (stage 0 loads as it is)
-            self.ds_config = universal_ds_config(self.ds_config)
+        saved = saved_run(root, tag) if tag else None
+        world = World(info.world_size, self.resolved.world.local_size or info.local_world_size)
+        self.resolved = resolve(self.resolved.asked, self.profile, world, self.resolved.device, saved=saved)
+        faults = Faults(self.resolved.faults, info.rank)
         with self._phase("model"):
-            bundle = self.model or build_model(run.model, run.seed, loss=run.loss.name, ds_config=self.ds_config,
+            bundle = self.model or build_model(run.model, run.seed, loss=run.loss.name,
+                                               ds_config=deepspeed_config(self.resolved),
                                                source=resolve_source_per_node(run.model, info.local_rank))
-            ac = activation_checkpointing_enabled(run, self.profile)
+            ac = self.resolved.activation_checkpointing
             bundle, trainable = apply_finetune(bundle, run.finetune, run.loss.name, checkpointing=ac)
             if ac:
                 apply_activation_checkpointing(bundle.model)
             dropout = apply_patch_dropout(bundle.model, run.model.patch_dropout)
-            guard = self._guard()
-            guard.arm(bundle.model, info.rank, info.world_size)   # faults.inject_nan_at_step's gradient hook
-        teacher, teacher_inputs = self._teacher() if run.distill.teacher is not None else (None, None)
+            faults.arm(bundle.model)   # faults.inject_nan_at_step's gradient hook
+        if self.resolved.zero.leaf_modules:   # the facts of the built model: layers that cannot be leaves
+            self.resolved = with_facts(self.resolved, saved=saved, unsafe_leaves=unsafe_zero3_leaves(bundle.model))
+        resolved = self.resolved
+        self.ds_config = deepspeed_config(resolved)
+        if self.deepspeed_overrides is not None:
+            self.deepspeed_overrides(self.ds_config)
+        teacher, teacher_inputs = self._teacher() if resolved.distill is not None else (None, None)
         self.checkpoint_bytes = checkpoint_bytes(*param_counts(bundle.model), run.precision, run.bf16.master_weights,
-                                                 self.ds_config.get("zero_optimization", {}).get("stage", 0))
+                                                 resolved.zero.stage)
         if info.rank == 0:
             self._check_space(root, tag)
             self._write_run_files()
-            log.info("model %s | profile %s | precision %s%s | batch micro x accumulation x world = global: %s | "
-                     "%.2fM parameters, trainable %s", bundle.source, self.profile.name, run.precision,
-                     "" if self.precision_why == "as set" else f" ({self.precision_why})", batch,
-                     bundle.num_parameters() / 1e6,
+            log.info("model %s | %.2fM parameters, trainable %s", bundle.source, bundle.num_parameters() / 1e6,
                      ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in trainable.items()))
-            said = step_decisions(run, self.profile, self.ds_config, info.world_size)
-            if said:
-                log.info("DeepSpeed step: %s", "; ".join(said))
         with self._phase("eval_sets"):
             eval_hook = build_eval_hook(run, bundle, info.rank, info.world_size)  # reads the eval sets now
         if eval_hook and run.compile.enabled:   # eager: its batch shapes vary (runtime/compilation.py)
@@ -252,55 +250,52 @@ class Trainer:
         hooks = self.extra_hooks + ([eval_hook] if eval_hook else [])
         switch = dropout and PatchDropoutSwitch(dropout, run.steps, run.model.patch_dropout_off_last_steps, info.rank)
         hooks += [switch] if switch else []
-        groups = param_groups(bundle.model, run.optim, lr_factor=scaled_lr(run, info.world_size) / run.optim.lr)
+        groups = param_groups(bundle.model, run.optim, lr_factor=resolved.optimizer.lr / run.optim.lr)
         o = run.optim
         with self._phase("engine"):
-            unsafe = drop_unsafe_leaf_modules(bundle.model, self.ds_config)
-            if unsafe and info.rank == 0:
-                log.info("ZeRO-3: no leaf modules (the profile's leaf_module): %d trained encoder layer(s) get an "
-                         "input that needs no gradient (%s), which DeepSpeed cannot run as leaves; every submodule "
-                         "is hooked instead (more host time a step, the same math)", len(unsafe), ", ".join(unsafe))
             if run.compile.enabled:   # lazy (compiled in step 1, see _finish); before ZeRO-3 registers its hooks
-                apply_compile(bundle.model, run.compile,
-                              zero_stage=self.ds_config.get("zero_optimization", {}).get("stage", 0))
+                apply_compile(bundle.model, run.compile, zero_stage=resolved.zero.stage)
             engine = build_engine(bundle.model, self.ds_config, groups,
                                   lr_scheduler(o.warmup_steps, run.steps, o.min_lr_ratio))
-            self.step_guard = install_step_guard(engine, guard_plan(run, self.profile), o.gradient_clipping)
+            self.step_guard = install_step_guard(engine, resolved.guard, o.gradient_clipping)
             self.gradient_buckets = build_gradient_buckets(   # stage 0: our overlapped reduction (or none)
-                engine, self.profile.stage, info.world_size,
-                int(self.ds_config.get("zero_optimization", {}).get("reduce_bucket_size", 10**7)))
+                engine, resolved.zero.stage, info.world_size, resolved.zero.bucket_elements)
         checkpointer = self._checkpointer(bundle)
         with self._phase("resume"):
-            if tag is None:
+            if resolved.resume.mode == "fresh":
                 resume = None
-            elif resharded:   # written by another number of ranks
+            elif resolved.resume.mode in ("whole", "universal"):   # written by another number of ranks
                 resume = load_resharded(checkpointer, engine, tag)
             else:
                 resume = checkpointer.load(engine, tag)
             if resume is not None:   # a checkpoint written before saves were checked may hold inf/NaN
                 check_weights(engine, f"not resuming from {tag}", finite_fallback(checkpointer.root, tag, "resume"))
-            if resume is None and weight_dtype(run.precision) != "fp32" and bundle.source and bundle.source.folder:
+            if resolved.precision.masters_from_pretrained and bundle.source and bundle.source.folder:
                 set_fp32_masters(engine, Path(bundle.source.folder))   # not rounded to the 16-bit dtype
             if switch and resume:   # the loop runs hooks at step 0 of a fresh run only
                 switch(resume["step"])
+        data = resume["data"] if resume else None
+        if isinstance(data, dict) and "streams" in data:   # exact resume keeps the saved worker count
+            self.resolved = resolved = with_facts(resolved, saved=replace(saved, streams=len(data["streams"])),
+                                                  unsafe_leaves=resolved.zero.dropped_leaves)
         with self._phase("loader"):
             loader = self.loader if self.loader is not None else build_train_loader(
                 run.data, tokenizer=bundle.tokenizer, image_size=bundle.image_size,
-                max_text_length=bundle.max_text_length, micro_batch_size=batch.micro,
+                max_text_length=bundle.max_text_length, micro_batch_size=resolved.batch.micro,
                 rank=info.rank, world_size=info.world_size, seed=run.seed, local_world_size=info.local_world_size,
-                state=resume["data"] if resume else None, pin_memory=info.on_gpu, cache_dir=run.output_dir,
+                workers=resolved.host.workers, state=data, pin_memory=info.on_gpu, cache_dir=run.output_dir,
                 teacher=teacher_inputs)
             if self.loader is None:   # its workers hand batches over /dev/shm: fail now, not with SIGBUS later
-                check_shared_memory(loader, held=batch.accumulation, local_ranks=info.local_world_size)
+                check_shared_memory(loader, held=resolved.batch.accumulation, local_ranks=info.local_world_size)
             if hasattr(loader, "on_worker_death"):   # a dead worker: an agreed stop with a checkpoint
                 loader.on_worker_death = self._worker_died
+        set_threads(resolved.host.threads)
         if info.rank == 0:
+            self._write_resolved()
+            for line in resolved.lines():
+                log.info(line)
             for line in startup_lines(loader):
                 log.info("data: %s", line)
-        threads, why = set_threads_per_rank(run.distributed.threads_per_rank, available_cores(),
-                                            info.local_world_size, getattr(loader, "num_workers", 0))
-        if info.rank == 0:
-            log.info("threads per rank: %d (%s)", threads, why)
             if not info.on_gpu:
                 log.info("host memory: %s", host_memory_said(host_memory_state(run.distributed.host_memory)))
         if self.wrap_loader is not None:
@@ -309,7 +304,7 @@ class Trainer:
                              world_size=info.world_size, chunk_size=run.loss.chunk_size)
         distiller = teacher and Distiller(teacher, run.distill.weight, run.loss.name, info.rank,
                                           1 if run.loss.negatives == "local" else info.world_size)
-        self.parts = Parts(batch, bundle, ac, engine, checkpointer, loader, loss_fn, guard, hooks, resume,
+        self.parts = Parts(self.resolved, bundle, engine, checkpointer, loader, loss_fn, faults, hooks, resume,
                            distiller)
         return self.parts
 
@@ -318,25 +313,26 @@ class Trainer:
         teacher, the inputs the loader makes for it)."""
         from deepspeed.accelerator import get_accelerator   # the engine's device, before the engine
 
-        d, info = self.run.distill, self.info
+        d, info = self.resolved.distill, self.info
         with self._phase("teacher"):
-            teacher, inputs = load_teacher(d, device=get_accelerator().current_device_name(), on_gpu=info.on_gpu,
-                                           local_rank=info.local_rank, ds_config=self.ds_config)
+            teacher, inputs = load_teacher(self.run.distill, device=get_accelerator().current_device_name(),
+                                           on_gpu=info.on_gpu, local_rank=info.local_rank, dtype=d.dtype,
+                                           ds_config=teacher_ds_config(self.resolved))
         if info.rank == 0:
             log.info("distilling from %s: %s, %s, weight %g", d.teacher, d.placement,
                      next(getattr(teacher, "module", teacher).parameters()).dtype, d.weight)
         return teacher, inputs
 
     def _checkpointer(self, bundle: ModelBundle) -> Checkpointer:
-        run = self.run
+        run, f = self.run, self.resolved.faults
         extras = partial(write_hf_extras, model_config=bundle.model.config, tokenizer=bundle.tokenizer,
                          image_size=bundle.image_size, mean=bundle.image_mean, std=bundle.image_std,
                          source=bundle.source)
         return Checkpointer(run.checkpoint, checkpoint_root(run.output_dir), rank=self.info.rank,
                             world_size=self.info.world_size, run_config=run.model_dump(mode="json"),
-                            write_extras=extras, kill_in_save_at=run.faults.inject_kill_in_save_at_step,
-                            enospc_in_save_at=run.faults.inject_enospc_in_save_at_step,
-                            enospc_rank=run.faults.inject_enospc_rank, expected_bytes=self.checkpoint_bytes)
+                            write_extras=extras, kill_in_save_at=f.kill_in_save_at_step,
+                            enospc_in_save_at=f.enospc_in_save_at_step, enospc_rank=f.enospc_rank,
+                            expected_bytes=self.checkpoint_bytes)
 
     def _check_space(self, root: Path, tag: str | None) -> None:
         """Rank 0, at start-up: one warning when output_dir's file system cannot hold this run's
@@ -346,16 +342,6 @@ class Trainer:
                                 saves_in_run(c.every, c.at_end, self.run.steps, start), len(complete_tags(root)))
         if short:
             log.warning(short)
-
-    def _guard(self) -> Guard:
-        f = self.run.faults
-        return Guard(stop_requested=lambda: self.stop() or self._stop_asked, stop_check_every=f.stop_check_every,
-                     max_nonfinite_steps=f.max_nonfinite_steps, count_nonfinite=not uses_fp16(self.run.precision),
-                     inject_nan_at_step=f.inject_nan_at_step, inject_nan_steps=f.inject_nan_steps,
-                     inject_nan_value=f.inject_nan_value, inject_kill_at_step=f.inject_kill_at_step,
-                     inject_freeze_at_step=f.inject_freeze_at_step, inject_data_delay_s=f.inject_data_delay_s,
-                     inject_data_delay_rank=f.inject_data_delay_rank, inject_error_at_step=f.inject_error_at_step,
-                     inject_worker_kill_at_step=f.inject_worker_kill_at_step, inject_rank=f.inject_rank)
 
     def _worker_died(self, message: str) -> None:
         """The loader's callback: one of this rank's workers died (and was replaced at the same data
@@ -368,18 +354,24 @@ class Trainer:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(self.run.model_dump_json(indent=2))
         (out / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2))
+        self._write_resolved()
+
+    def _write_resolved(self) -> None:
+        """{output_dir}/resolved.json: every decision of the run (resolve.ResolvedRun), as it stands."""
+        (Path(self.run.output_dir) / "resolved.json").write_text(json.dumps(self.resolved.to_dict(), indent=2))
 
     # ---- running
     def train(self) -> dict | None:
-        """Train; returns the summary on rank 0 (None elsewhere). Raises train.Preempted after a
-        SIGTERM (checkpoint saved) and train.NonFiniteLoss; the CLI turns them into exit codes."""
+        """Train; returns the summary on rank 0 (None elsewhere). Raises loop.Preempted after a
+        SIGTERM (checkpoint saved) and loop.NonFiniteLoss; the CLI turns them into exit codes."""
         p, run, rank = self.build(), self.run, self.info.rank
         torch.manual_seed(run.seed + 1000 * rank)   # dropout / augmentation differ per rank
         reporter = ProgressReporter(run.steps, run.logging.progress, enabled=rank == 0)
         lg = run.logging
         self.wandb = build_wandb_log(lg, run.output_dir, rank=rank, resumed_at=p.resume["step"] if p.resume else None,
                                      config={**run.model_dump(mode="json"), "deepspeed": self.ds_config,
-                                             "global_batch": p.batch.global_batch, "world_size": self.info.world_size})
+                                             "global_batch": self.resolved.batch.global_batch,
+                                             "world_size": self.info.world_size})
         on_cuda = self.info.on_gpu and torch.cuda.is_available()
         device = torch.cuda.get_device_name(p.engine.device) if on_cuda else "cpu"
         metrics = MetricsLog(Path(run.output_dir) / "metrics.jsonl", p.engine.monitor, enabled=rank == 0,
@@ -387,21 +379,14 @@ class Trainer:
                              mfu=mfu_of(p.bundle.model.config, run.precision, self.info.world_size, device))
         if self.wandb is not None:   # DeepSpeed's own Train/Samples/* into the same run (MetricsLog has the original)
             p.engine.monitor = self.wandb.deepspeed_monitor(p.engine)
-        batches = iter(p.loader)
+        observers = Observers(reporter, metrics, p.checkpointer, p.hooks,
+                              DataWaitWatch(lg.data_wait_warn_fraction, lg.data_wait_warn_ratio))
         try:
-            result = train(p.engine, batches, p.loss_fn, p.batch, run.steps, run.logging.log_every,
-                           reporter, accumulation=run.batch.accumulation, hooks=p.hooks,
-                           checkpointer=p.checkpointer, guard=p.guard, loader=p.loader,
-                           resume=p.resume, stop_after=run.checkpoint.stop_after, metrics=metrics,
-                           data_wait=DataWaitWatch(lg.data_wait_warn_fraction, lg.data_wait_warn_ratio),
-                           distiller=p.distiller)
+            result = train(self.resolved.loop, p.engine, p.loader, Objective(p.loss_fn, p.distiller), observers,
+                           resume=p.resume, stop=lambda: self.stop() or self._stop_asked, faults=p.faults)
         except DiskFullError as err:   # raised by the checkpointer on every rank, with one message
             raise DiskFull(str(err)) from None
         finally:
-            # the loader's workers end here, also on an error: left to interpreter exit (an error's
-            # traceback keeps the iterator alive), multiprocessing's one SIGTERM is the one they absorb
-            # (loader.py) and its join waits forever
-            getattr(batches, "close", lambda: None)()
             reporter.close()
             metrics.close()
         self.startup["first_step"] = result.first_step_s   # loader workers start, first batch, lazy init
@@ -430,9 +415,9 @@ class Trainer:
     def _finish(self, result: TrainResult) -> dict:
         """Rank 0 writes and prints the summary and draws the curves."""
         run, p = self.run, self.parts
-        summary = build_summary(result, profile=self.profile, batch=p.batch, precision=run.precision,
+        summary = build_summary(result, profile=self.profile, batch=self.resolved.batch, precision=run.precision,
                                 source=p.bundle.source or run.model.preset, num_parameters=p.bundle.num_parameters(),
-                                activation_checkpointing=p.activation_checkpointing, loss=run.loss.name,
+                                activation_checkpointing=self.resolved.activation_checkpointing, loss=run.loss.name,
                                 negatives=run.loss.negatives, accumulation=run.batch.accumulation)
         summary["startup_s"] = {**self.startup, "total": sum(v for v in self.startup.values() if v)}
         epochs = epochs_record(p.loader)
@@ -442,7 +427,7 @@ class Trainer:
             summary["host_memory"] = host_memory_state(run.distributed.host_memory)
         compiled = ""
         if run.compile.enabled:
-            step_s = p.batch.global_batch / result.samples_per_s if result.samples_per_s else None
+            step_s = self.resolved.batch.global_batch / result.samples_per_s if result.samples_per_s else None
             line, summary["compile"] = compile_line(run.compile, result.first_step_s, step_s)
             compiled = f"; {line}"
         log.info("start-up %.1f s to the end of step 1: %s%s", summary["startup_s"]["total"],

@@ -1,4 +1,4 @@
-"""benchmarks/gpu.py's variants and twins. A variant: one case measured again with a feature on, as
+"""benchmarks/gpu/run.py's variants and twins. A variant: one case measured again with a feature on, as
 config overrides on the same run (the same model, batch, profile and precision):
 
   base           nothing added (the case as the grid measures it)

@@ -1,8 +1,8 @@
 """The first run on a GPU machine (1-8 GPUs): one command, steps in order, stop at the first
 failure, one JSON to send with a bug report (docs/guides/clusters.md, "First run on GPUs").
 
-    python -m benchmarks.gpu_first_run --out first_run.json          # a GPU host, < 10 min on one GPU
-    DS_ACCELERATOR=cpu python -m benchmarks.gpu_first_run --smoke --out /tmp/first_run.json   # CPU, ~1 min
+    python -m benchmarks.gpu.first_run --out first_run.json          # a GPU host, < 10 min on one GPU
+    DS_ACCELERATOR=cpu python -m benchmarks.gpu.first_run --smoke --out /tmp/first_run.json   # CPU, ~1 min
 
 Steps: environment (driver, CUDA, NCCL, nvcc or not, GPUs, topology); the loss and accumulation
 parity tests (reference twins; tests/unit/test_losses.py, test_global_accumulation.py); one ddp
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 if not __package__:
-    sys.exit("run as a module from the repository root: python -m benchmarks.gpu_first_run --out first_run.json")
+    sys.exit("run as a module from the repository root: python -m benchmarks.gpu.first_run --out first_run.json")
 
 from benchmarks.harness import base_parser
 
@@ -74,7 +74,7 @@ def environment() -> dict:
 def steps(args, gpus: int, tmp: Path) -> list[tuple[str, list[str]]]:
     """(name, command) in order; each runs from the repository root."""
     py, model = sys.executable, "tiny" if args.smoke else "git-rsclip-base"
-    # --variants base: the feature variants (benchmarks/gpu_variants.py) are benchmarks.gpu's own default run;
+    # --variants base: the feature variants (benchmarks/gpu/variants.py) are benchmarks.gpu's own default run;
     # --twins alone: one step of each stage needs no plain-loop twin
     short = ["--seconds", "1", "--max-steps", "2", "--warmup", "2", "--ac", "off", "--model", model,
              "--variants", "base", "--twins"]

@@ -19,11 +19,11 @@
 # The estimates are from the H200 run's costs (../shared/gpu/README.md: a benchmarks.gpu case 36-80 s,
 # `rsclip-ds train` to its first step ~20 s; compiling adds ~40 s): together ~780 s, so in one call of
 # BUDGET=530 large gets ~200 s, its first two or three cases (the rest are recorded as skipped), and
-# the census does not run; `PARTS="large census" bash benchmarks/gpu_step.sh OUT` runs those later.
+# the census does not run; `PARTS="large census" bash benchmarks/gpu/step.sh OUT` runs those later.
 #
 #   bash ../shared/gpu/kit.sh                                   # here, once: .gpu/ (carry it along)
-#   source .gpu/env.sh && bash benchmarks/gpu_step.sh "$OUT"    # the GPU host: ~9 minutes
-#   MODEL=tiny bash benchmarks/gpu_step.sh /tmp/gpu_step        # CPU, tiny: every part but open_clip's, 3-4 min
+#   source .gpu/env.sh && bash benchmarks/gpu/step.sh "$OUT"    # the GPU host: ~9 minutes
+#   MODEL=tiny bash benchmarks/gpu/step.sh /tmp/gpu_step        # CPU, tiny: every part but open_clip's, 3-4 min
 #                                                               # on 2 cores (232 s; 164 s with inductor's cache warm)
 #
 # A part cut short keeps what ran: benchmarks.gpu writes OUT.partial.json after every case and records
@@ -32,7 +32,7 @@
 # python -m benchmarks.render_results (docs/benchmarks/gpu.md). Not to commit: *.partial.json.
 set -uo pipefail   # no -e: a part that fails leaves its rows and the next part runs
 
-OUT_DIR=${1:-${OUT:?usage: bash benchmarks/gpu_step.sh OUT_DIR}}
+OUT_DIR=${1:-${OUT:?usage: bash benchmarks/gpu/step.sh OUT_DIR}}
 PY=${PYTHON:-python3}
 PARTS=${PARTS:-base openclip zero large census}
 mkdir -p "$OUT_DIR"
@@ -54,7 +54,7 @@ if ! "$PY" -c 'import deepspeed, pydantic, webdataset' > /dev/null 2>&1; then
     "(the kit: ../shared/gpu/kit.sh)"
   exit 3
 fi
-DEV=$("$PY" -c 'from benchmarks.gpu_peaks import device_tag; print(device_tag())' 2> /dev/null) || DEV=gpu
+DEV=$("$PY" -c 'from benchmarks.gpu.peaks import device_tag; print(device_tag())' 2> /dev/null) || DEV=gpu
 
 if [ "${MODEL:-}" = tiny ]; then   # the CPU form: every part on the tiny preset, short timings
   BUDGET=${BUDGET:-1500}   # a smoke test runs every part: nothing is skipped for time on 2 slow cores

@@ -1,4 +1,4 @@
-"""Peak dense FLOP/s per device and MFU per device, what benchmarks.gpu divides by: the package's
+"""Peak dense FLOP/s per device and MFU per device, what benchmarks.gpu.run divides by: the package's
 own table (rsclip_ds.planning.flops.PEAKS), which the run's metrics use too (metrics.jsonl's mfu);
 and the device's short tag that names the GPU script's JSON (gpu_h100_base.json, gpu_h200_base.json)."""
 

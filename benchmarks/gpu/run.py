@@ -6,27 +6,27 @@ the floor ours is read against; and whether the data path keeps up: the same ste
 real loader from JPEG shards (--data loader) against a batch already in device memory (--data
 tensor, the default). No network; the shards are synthetic.
 
-    python -m benchmarks.gpu --out benchmarks/results/gpu_h200.json
-    python -m benchmarks.gpu --profiles ddp zero2 --precisions amp_bf16 bf16 --ac off --variants base \
-        --out benchmarks/results/gpu_h200_base.json   # gpu_step.sh's base and zero parts in one command
-    python -m benchmarks.gpu --profiles zero2 --ac off --data tensor loader \
+    python -m benchmarks.gpu.run --out benchmarks/results/gpu_h200.json
+    python -m benchmarks.gpu.run --profiles ddp zero2 --precisions amp_bf16 bf16 --ac off --variants base \
+        --out benchmarks/results/gpu_h200_base.json   # step.sh's base and zero parts in one command
+    python -m benchmarks.gpu.run --profiles zero2 --ac off --data tensor loader \
         --out benchmarks/results/gpu_h200_loader.json        # the data path: 4 cases, ~4 min
-    python -m benchmarks.gpu --open-clip kit --model git-rsclip-base --out benchmarks/results/gpu_h200_openclip.json
-    python -m benchmarks.gpu --open-clip kit --planner-pick --model git-rsclip-base --openclip-precisions amp_bf16 \
+    python -m benchmarks.gpu.run --open-clip kit --model git-rsclip-base --out benchmarks/results/gpu_h200_openclip.json
+    python -m benchmarks.gpu.run --open-clip kit --planner-pick --model git-rsclip-base --openclip-precisions amp_bf16 \
         --out benchmarks/results/gpu_h200_openclip.json     # rsclip-ds train as the planner picks it
-    DS_ACCELERATOR=cpu python -m benchmarks.gpu --model tiny --variants base patch_dropout --out /tmp/gpu_tiny.json
-    bash benchmarks/gpu_step.sh OUT_DIR     # the GPU session's one script: the parts in order, < 9 min
+    DS_ACCELERATOR=cpu python -m benchmarks.gpu.run --model tiny --variants base patch_dropout --out /tmp/gpu_tiny.json
+    bash benchmarks/gpu/step.sh OUT_DIR     # the GPU session's one script: the parts in order, < 9 min
 
-The first: 8 configurations, 3 variants (benchmarks/gpu_variants.py: the same case again with
+The first: 8 configurations, 3 variants (benchmarks/gpu/variants.py: the same case again with
 patch dropout, compilation or a distillation teacher) and 2 twins per preset, about 45 s each on
 an H200 (start-up, engine, 2 warm-up steps, then timed steps for --seconds): ~11 minutes, so
---total-budget (560 s) skips the last cases; gpu_step.sh runs the parts the GPU session needs.
+--total-budget (560 s) skips the last cases; step.sh runs the parts the GPU session needs.
 Each configuration runs in its own process (a fresh CUDA context, so peak memory is its own);
 one that fails or runs out of its time is recorded with the reason and the others go on; the
 report so far is in OUT.partial.json after every case (a command stopped from outside keeps
-what ran). --append keeps OUT's cases from an earlier command (an earlier part of gpu_step.sh)
+what ran). --append keeps OUT's cases from an earlier command (an earlier part of step.sh)
 ahead of this command's, and pairs them all: cases run later still read against its twins. A
-profile x precision pair a run refuses is left out with the reason (planner.settings_note: bf16 /
+profile x precision pair a run refuses is left out with the reason (resolve's rule: bf16 /
 fp16 weights on ddp, amp under ZeRO). The hybrid-sharding profiles are refused on one rank
 (refuse_one_rank_hybrid says why; benchmarks/comms/multigpu_hybrid.sh measures them).
 --open-clip: the open_clip comparison on one rank (docs/benchmarks/throughput.md), open_clip run
@@ -40,12 +40,12 @@ python line.
 Per configuration: samples/s (timed steps x micro / seconds, after warm-up, with a device sync
 at both ends), model FLOPs per sample (rsclip_ds.planning.flops: 3 x the forward matmul FLOPs of both
 towers), MFU = FLOPs per sample x samples/s / peak 16-bit (fp32: fp32) FLOP/s of the device
-(gpu_peaks.py; --peak-tflops for others), HFU (counting the recomputed forward under activation
+(peaks.py; --peak-tflops for others), HFU (counting the recomputed forward under activation
 checkpointing), and torch.cuda.max_memory_allocated over engine build + steps. The engine, loss
-and activation checkpointing are the run's (`rsclip_ds.trainer.Trainer(run, model=...,
+and activation checkpointing are the run's (`rsclip_ds.assembly.Trainer(run, model=...,
 loader=...).build()`: the model is `rsclip_ds.model.preset_bundle` with the preset's own
 vocabulary, built whole on the device (see run_case for why also under ZeRO-3)); the step is
-rsclip_ds.train.train_step with the SigLIP loss (one rank: local = global).
+rsclip_ds.loop.micro_batch_step with the SigLIP loss (one rank: local = global).
 
 The twins (--twins eager compiled, one process each, per preset, micro-batch and compute dtype:
 bf16 and amp_bf16 share one, as the twin's recipe is one): the same preset_bundle built the same
@@ -83,11 +83,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-if not __package__:   # `python benchmarks/gpu.py`: the package's imports below cannot resolve
+if not __package__:   # `python benchmarks/gpu/run.py`: the package's imports below cannot resolve
     sys.exit("run the benchmarks as modules from the repository root: python -m benchmarks.gpu --out ...")
 
-from benchmarks.gpu_peaks import mfu_per_device, peak_flops
-from benchmarks.gpu_variants import (TWINS, VARIANTS, pair_with_base, pair_with_twins, teacher_batch, twin_precision,
+from benchmarks.gpu.peaks import mfu_per_device, peak_flops
+from benchmarks.gpu.variants import (TWINS, VARIANTS, pair_with_base, pair_with_twins, teacher_batch, twin_precision,
                                      variant_case, variant_overrides, write_teacher)
 from benchmarks.harness import (base_parser, environment, page_tables, process_group, run_script, synthetic_data,
                                 write_report)
@@ -136,8 +136,8 @@ class Case:
     checkpointing: bool
     micro: int
     data: str = "tensor"        # tensor: one batch in device memory; loader: the real loader
-    variant: str = "base"       # gpu_variants.VARIANTS: a feature's overrides on the same case
-    twin: str = ""              # gpu_variants.TWINS: the plain PyTorch loop instead of ours ("": ours)
+    variant: str = "base"       # variants.VARIANTS: a feature's overrides on the same case
+    twin: str = ""              # variants.TWINS: the plain PyTorch loop instead of ours ("": ours)
     precision: str = "bf16"     # the run's precision; a twin's: the compute dtype (twin_precision)
 
     @property
@@ -153,20 +153,23 @@ class Case:
 def profile_precisions(profile: str, precisions: list[str]) -> tuple[list[str], list[str]]:
     """The precisions `profile` runs under, of `precisions` in order, each once (auto made concrete
     for the profile's stage as a run makes it: amp_bf16 on ddp, bf16 under ZeRO), and the refused
-    ones with the reason (planner.settings_note, profiles.build_ds_config's rule: bf16 / fp16
-    weights on ddp, amp under ZeRO) -> (runs, refused)."""
-    from rsclip_ds.planning.planner import settings_note
-    from rsclip_ds.precision import resolve_precision
+    ones with the reason (resolve's rule, its short form: bf16 / fp16 weights on ddp, amp under ZeRO)
+    -> (runs, refused)."""
+    from rsclip_ds.config import ConfigError, load_config
     from rsclip_ds.profiles import load_profile
+    from rsclip_ds.resolve import GPU, World, resolve
 
     prof = load_profile(profile)
     runs, refused = [], []
     for choice in precisions:
-        precision = resolve_precision(choice, prof.stage)[0]
-        note = settings_note(prof, precision)
-        if note and f"{profile}/{precision}: {note}" not in refused:
-            refused.append(f"{profile}/{precision}: {note}")
-        elif not note and precision not in runs:
+        try:
+            precision = resolve(load_config(None, [f"profile={profile}", f"precision={choice}"]), prof, World(1, 1),
+                                GPU).precision.name
+        except ConfigError as e:
+            if f"{profile}/{choice}: {e.note}" not in refused:
+                refused.append(f"{profile}/{choice}: {e.note}")
+            continue
+        if precision not in runs:
             runs.append(precision)
     return runs, refused
 
@@ -177,7 +180,7 @@ def cases(models: list[str], profiles: list[str], ac: list[bool], micro: int | N
     """Every combination of preset, profile x precision (less the refused pairs: profile_precisions;
     a profile's precisions side by side) and checkpointing; a loader case right after its tensor
     twin, and the variants other than base right after the one tensor case they run on
-    (gpu_variants.variant_case, under the profile's first precision): the same machine state for a
+    (variants.variant_case, under the profile's first precision): the same machine state for a
     pair. Without "base" in `variants` only the variants' case and its variants run (the base twin
     stays: each variant is read against it). `twins`: the plain loop's cases of each preset and
     compute dtype (no profile, no checkpointing: profile "plain"), right after the preset's first
@@ -307,8 +310,8 @@ def run_case(case: Case, args) -> dict:
 
     from rsclip_ds.engine import engine_dtype
     from rsclip_ds.model import load_tokenizer, preset_bundle
-    from rsclip_ds.train import train_step
-    from rsclip_ds.trainer import Trainer
+    from rsclip_ds.loop import micro_batch_step
+    from rsclip_ds.assembly import Trainer
 
     loader_mode = case.data == "loader"
     with case_setup(case, args) as (info, acc, device, run):
@@ -341,7 +344,7 @@ def run_case(case: Case, args) -> dict:
                 [batch] = parts.loader
                 batches = itertools.repeat(batch)
             cpu0 = _children_cpu_seconds()
-            timing = timed_steps(lambda b: train_step(engine, b, loss_fn, dtype, parts.distiller), batches,
+            timing = timed_steps(lambda b: micro_batch_step(engine, b, loss_fn, dtype, parts.distiller), batches,
                                  warmup=args.warmup, seconds=args.seconds, max_steps=args.max_steps,
                                  sync=acc.synchronize, after_warmup=lambda: memory_after_warmup(info.on_gpu))
             loader_cpu_s = _children_cpu_seconds() - cpu0   # warm-up included: the workers start there
@@ -477,7 +480,7 @@ def parse_args(argv):
     parser.add_argument("--case-timeout", type=float, default=120.0, help="seconds before a case's process is killed")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
                         help="base: the grid; patch_dropout, compile, distill: the same run with that feature on, "
-                             "on git-rsclip-base / zero2 / no AC only (benchmarks/gpu_variants.py)")
+                             "on git-rsclip-base / zero2 / no AC only (benchmarks/gpu/variants.py)")
     parser.add_argument("--twins", nargs="*", default=list(TWINS), choices=list(TWINS),
                         help="the plain PyTorch loop (benchmarks/twin.py) on each preset's model and batch: eager, "
                              "compiled (every encoder layer); none: --twins alone")
@@ -486,7 +489,7 @@ def parse_args(argv):
     parser.add_argument("--total-budget", type=float, default=560.0,
                         help="seconds for all cases; cases that would start after it are skipped")
     parser.add_argument("--append", action="store_true",
-                        help="keep the cases of the report already at --out (an earlier part of gpu_step.sh) ahead "
+                        help="keep the cases of the report already at --out (an earlier part of step.sh) ahead "
                              "of this command's; the pairs (ours / twin, ...) are made over all of them")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU if not in PEAK_BF16_TFLOPS")
     parser.add_argument("--data", nargs="*", default=["tensor"], choices=["tensor", "loader"],
