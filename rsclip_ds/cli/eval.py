@@ -19,7 +19,8 @@ from rsclip_ds.config import TEMPLATE_SET_NAMES, ConfigError, EvalConfig
 from rsclip_ds.data.bad import DataError
 from rsclip_ds.data.geotiff import BandChoice, BandsError
 from rsclip_ds.evaluation import Embedder, EvalSets, evaluate, flat_metrics
-from rsclip_ds.evaluation.hook import build_monitor, log_results, write_monitor
+from rsclip_ds.evaluation.hook import (build_monitor, evaluation_records, link_samples, log_results,
+                                       write_evaluation, write_monitor)
 from rsclip_ds.model import ModelBundle
 
 log = logging.getLogger("rsclip_ds")
@@ -190,7 +191,7 @@ def run(args) -> int:
         model = bundle.model.to(device, dtype).eval()
         try:
             results = evaluate(Embedder(model, bundle, cfg.batch_size, info.rank, info.world_size, device,
-                                        bands=bands), sets)
+                                        bands=bands), sets, samples=True)
         except BandsError as err:   # a multispectral TIFF without --bands: every rank stops with the fix
             raise ConfigError(str(err)) from None
         except DataError as err:   # every rank counted the same gathered marks: rank 0 says it
@@ -201,11 +202,16 @@ def run(args) -> int:
             source = str(bundle.source) if args.model else str(args.checkpoint)
             out = args.out or default_out
             out.parent.mkdir(parents=True, exist_ok=True)
+            records = evaluation_records(results, cfg)
+            templates = str(cfg.templates) if cfg.templates is not None else cfg.templates_set or "ours"
+            report = write_evaluation(out.with_suffix(""), source, step, templates, records)
+            link_samples(results, records, out.stem)
             record = {"source": source, "step": step, "precision": args.precision, **results}
-            out.write_text(json.dumps(record, indent=2))
+            out.write_text(json.dumps(record, indent=2, ensure_ascii=False), encoding="utf-8")
             log_results(results, step)
             print_results(results, f"rsclip-ds eval: {source}")
-            log.info("results written to %s", out)
+            log.info("results written to %s; the report (per-sample results, report.html) to %s", out,
+                     report[-1].parent)
         write_monitor(build_monitor(ds_config) if ds_config else None, results, step or 0)
         return 0
     finally:
@@ -303,11 +309,11 @@ def run_suite(args) -> int:
         configure_logging(info.rank)
         device, dtype = _device_and_dtype(info, args.precision)
 
-        def run_model(b: ModelBundle) -> dict:
+        def run_model(b: ModelBundle, samples: bool) -> dict:
             model = b.model.to(device, dtype).eval()
             try:
                 embedder = Embedder(model, b, cfg.batch_size, info.rank, info.world_size, device, bands=x["bands"])
-                return evaluate_suite(x["found"], embedder, x["templates"], cfg.max_bad_fraction)
+                return evaluate_suite(x["found"], embedder, x["templates"], cfg.max_bad_fraction, samples=samples)
             except BandsError as err:   # a multispectral TIFF without --bands: every rank stops with the fix
                 raise ConfigError(str(err)) from None
             finally:
@@ -315,10 +321,10 @@ def run_suite(args) -> int:
 
         results = {"model": args.model or str(args.checkpoint),
                    "source": str(x["bundle"].source) if args.model else str(args.checkpoint),
-                   "step": step, "precision": args.precision, **run_model(x["bundle"]),
+                   "step": step, "precision": args.precision, **run_model(x["bundle"], samples=True),
                    "unrecognised": [str(p) for p in x["unrecognised"]]}
         if x["compare"] is not None:
-            results["compare"] = {**x["compare"][1], **run_model(x["compare"][0])}
+            results["compare"] = {**x["compare"][1], **run_model(x["compare"][0], samples=False)}   # its numbers
         if info.rank == 0:
             print_suite(x["found"], x["unrecognised"], results)
             for path in write_report(results, out_dir, x["published"]):

@@ -30,6 +30,7 @@ from rsclip_ds.data.geotiff import BandChoice
 from rsclip_ds.data.transforms import IMAGE_ERRORS, ImageTransform
 from rsclip_ds.evaluation.datasets import EvalSets
 from rsclip_ds.evaluation.metrics import retrieval_metrics, zero_shot_metrics
+from rsclip_ds.evaluation.samples import classification_rows, retrieval_rows, unreadable_errors
 from rsclip_ds.model import ModelBundle
 
 log = logging.getLogger("rsclip_ds")
@@ -146,10 +147,11 @@ def class_embeddings(text_emb: torch.Tensor, num_classes: int, num_templates: in
     return torch.nn.functional.normalize(per_class, dim=-1)
 
 
-def evaluate(embedder: Embedder, sets: EvalSets) -> dict:
+def evaluate(embedder: Embedder, sets: EvalSets, samples: bool = False) -> dict:
     """-> {"zero_shot": zero_shot_metrics(...), "retrieval": retrieval_metrics(...)} (present ones),
     over the readable images; each group's ``skipped_images`` counts the unreadable ones
-    (retrieval also leaves out their captions: ``skipped_captions``)."""
+    (retrieval also leaves out their captions: ``skipped_captions``). ``samples``: on rank 0 each group
+    also holds "rows", its per-sample results (rsclip_ds.evaluation.samples), from the same embeddings."""
     results: dict = {}
     if sets.zero_shot is not None:
         zs, templates = sets.zero_shot, sets.templates
@@ -159,6 +161,10 @@ def evaluate(embedder: Embedder, sets: EvalSets) -> dict:
         classes = class_embeddings(text_emb, len(zs.class_names), len(templates))
         results["zero_shot"] = zero_shot_metrics(image_emb[ok], classes, torch.tensor(zs.labels)[ok], zs.class_names)
         results["zero_shot"]["skipped_images"] = int((~ok).sum())
+        results["zero_shot"]["class_phrases"] = dict(zip(zs.folders, zs.class_names))   # class-index order
+        if samples and embedder.rank == 0:
+            results["zero_shot"]["rows"] = classification_rows(zs.paths, zs.labels, zs.class_names, ok, image_emb,
+                                                               classes, unreadable_errors(embedder, zs.paths))
     if sets.retrieval is not None:
         rs = sets.retrieval
         image_emb, text_emb = embedder.embed(rs.image_paths, rs.captions, "retrieval")
@@ -168,6 +174,10 @@ def evaluate(embedder: Embedder, sets: EvalSets) -> dict:
         new_index = torch.cumsum(ok.long(), 0) - 1              # old image index -> index among the kept
         results["retrieval"] = retrieval_metrics(image_emb[ok], text_emb[kept], new_index[index[kept]])
         results["retrieval"].update(skipped_images=int((~ok).sum()), skipped_captions=int((~kept).sum()))
+        if samples and embedder.rank == 0:
+            errors = unreadable_errors(embedder, rs.image_paths)
+            results["retrieval"]["rows"] = retrieval_rows(rs.image_paths, rs.captions, rs.text_image_index, ok,
+                                                          image_emb, text_emb, errors)
     return results
 
 

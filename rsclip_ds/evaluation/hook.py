@@ -12,11 +12,56 @@ from rsclip_ds.evaluation.catalog import FoundSet, find_sets
 from rsclip_ds.evaluation.datasets import EvalSets
 from rsclip_ds.evaluation.embed import Embedder, evaluate
 from rsclip_ds.evaluation.metrics import flat_metrics
-from rsclip_ds.evaluation.prompts import TemplateSet, load_template_set
-from rsclip_ds.evaluation.suite import evaluate_suite, suite_metrics
+from rsclip_ds.evaluation.prompts import TemplateSet, load_template_set, zero_shot_templates
+from rsclip_ds.evaluation.suite import CLASSIFICATION, RETRIEVAL, RETRIEVAL_KEYS, evaluate_suite, suite_metrics
 from rsclip_ds.model import ModelBundle
 
 log = logging.getLogger("rsclip_ds")
+
+def evaluation_records(results: dict, cfg: EvalConfig) -> list[dict]:
+    """embed.evaluate's results as the suite's records (suite.py: one per set and protocol), the set named by
+    its folder (eval.zero_shot_dir) or caption file (eval.retrieval_json), so that one report (report.py:
+    suite.json, samples/, report.html) shows them; each record holds its group's rows where it has them."""
+    records = []
+    if "zero_shot" in results:
+        z, folder = results["zero_shot"], Path(str(cfg.zero_shot_dir))
+        record = {"name": folder.name, "root": str(folder), "split": "all images", "known": False, "warnings": [],
+                  "protocol": CLASSIFICATION, "images": z["num_images"], "classes": z["num_classes"],
+                  "templates": zero_shot_templates(cfg.templates, cfg.templates_set),
+                  **{k: z[k] for k in ("class_phrases", "top1", "top5", "mean_per_class", "per_class",
+                                       "skipped_images")}}
+        records.append({**record, **({"rows": z["rows"]} if "rows" in z else {})})
+    if "retrieval" in results:
+        r, path = results["retrieval"], Path(str(cfg.retrieval_json))
+        record = {"name": path.stem, "root": str(path), "split": cfg.retrieval_split, "known": False, "warnings": [],
+                  "protocol": RETRIEVAL, "images": r["num_images"], "captions": r["num_texts"],
+                  **{k: r[k] for k in (*RETRIEVAL_KEYS, "skipped_images", "skipped_captions")}}
+        records.append({**record, **({"rows": r["rows"]} if "rows" in r else {})})
+    return records
+
+
+def write_evaluation(folder: Path, model: str, step: int | None, template_set: str,
+                     records: list[dict]) -> list[Path]:
+    """Rank 0's report of one evaluation's records (the suite's and evaluation_records'): folder/suite.json,
+    suite.md, suite.png, samples/ and report.html (report.write_report), the published numbers beside ours
+    where a set is a known one. Each record's rows leave it for the samples file it then names."""
+    from rsclip_ds.evaluation.catalog import published_results
+    from rsclip_ds.evaluation.report import write_report
+
+    results = {"model": model, "step": step, "template_set": template_set, "sets": records}
+    return write_report(results, folder, published_results())
+
+
+def link_samples(results: dict, records: list[dict], prefix: str) -> None:
+    """After write_evaluation: each of embed.evaluate's groups names its samples file (prefix: the report folder,
+    relative to where the results JSON lies) as "samples", and holds its rows no more."""
+    kinds = {CLASSIFICATION: "zero_shot", RETRIEVAL: "retrieval"}
+    for record in records:
+        group = results.get(kinds[record["protocol"]])
+        if group is not None and "samples" in record:
+            group.pop("rows", None)
+            group["samples"] = f"{prefix}/{record['samples']}"
+
 
 def log_results(results: dict, step: int | None = None) -> None:
     prefix = f"eval at step {step}: " if step is not None else "eval: "
@@ -100,16 +145,24 @@ def make_eval_hook(cfg: EvalConfig, bundle: ModelBundle, rank: int, world_size: 
         try:
             embedder = Embedder(engine, bundle, cfg.batch_size, rank, world_size, engine.device, progress=False,
                                 bands=BandChoice.parse(cfg.bands, cfg.band_scale))
-            results = evaluate(embedder, sets) if do_sets else {}
-            suite_results = (evaluate_suite(suite, embedder, templates, cfg.max_bad_fraction)
+            results = evaluate(embedder, sets, samples=True) if do_sets else {}
+            suite_results = (evaluate_suite(suite, embedder, templates, cfg.max_bad_fraction, samples=True)
                              if do_suite else None)
         finally:
             engine.train(was_training)
         flat = {**flat_metrics(results), **(suite_metrics(suite_results) if suite_results else {})}
         if rank == 0:
-            out_dir.mkdir(parents=True, exist_ok=True)
+            out = out_dir / f"step{step:08d}.json"
+            # this step's report: eval/step{N}/ (suite.json, samples/, report.html) of every set evaluated
+            plain = evaluation_records(results, cfg)
+            suite_sets = suite_results["sets"] if suite_results else []
+            write_evaluation(out.with_suffix(""), str(out_dir.parent), step, templates.name, suite_sets + plain)
+            link_samples(results, plain, out.stem)
+            for r in suite_sets:   # step{N}.json names the same files, from eval/
+                if "samples" in r:
+                    r["samples"] = f"{out.stem}/{r['samples']}"
             record = {"step": step, **results, **({"suite": suite_results} if suite_results else {})}
-            (out_dir / f"step{step:08d}.json").write_text(json.dumps(record, indent=2))
+            out.write_text(json.dumps(record, indent=2, ensure_ascii=False), encoding="utf-8")
             log.info(f"eval at step {step}: " + "  ".join(f"{k} {100 * v:.2f}" for k, v in flat.items()))
         return flat
 

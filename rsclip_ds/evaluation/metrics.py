@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-def _rank_of_correct(scores: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
+def rank_of_correct(scores: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
     """scores (Q, K), correct (Q, K) bool, >= 1 True per row -> (Q,) rank of the best correct
     candidate: the number of wrong candidates scoring >= the best correct score (0 = top)."""
     best = scores.masked_fill(~correct, float("-inf")).max(dim=1, keepdim=True).values   # (Q, 1)
@@ -35,8 +35,8 @@ def retrieval_metrics(image_emb: torch.Tensor, text_emb: torch.Tensor,
     owns = index[None, :] == torch.arange(n)[:, None]                     # (N, M) caption j of image i
     if not bool(owns.any(dim=1).all()):
         raise ValueError("every image needs at least one caption for image->text recall")
-    i2t = _rank_of_correct(sim, owns)                                     # (N,)
-    t2i = _rank_of_correct(sim.T, owns.T)                                 # (M,)
+    i2t = rank_of_correct(sim, owns)                                     # (N,)
+    t2i = rank_of_correct(sim.T, owns.T)                                 # (M,)
     out: dict = {}
     for k in ks:
         out[f"i2t_R@{k}"] = (i2t < k).float().mean().item()
@@ -63,7 +63,7 @@ def zero_shot_metrics(image_emb: torch.Tensor, class_emb: torch.Tensor, labels: 
                          f"{len(image_emb)} images, {len(labels)} labels, {c} classes, {len(names)} names)")
     scores = image_emb @ class_emb.T                                      # (N, C)
     correct = torch.nn.functional.one_hot(labels, c).bool()               # (N, C)
-    rank = _rank_of_correct(scores, correct)                              # (N,)
+    rank = rank_of_correct(scores, correct)                              # (N,)
     per_class = {}
     for i, name in enumerate(names):
         mine = labels == i

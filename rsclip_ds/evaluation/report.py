@@ -16,30 +16,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
-from rsclip_ds.evaluation.catalog import PublishedResult
+from rsclip_ds.evaluation.catalog import DASH, FAMILIES, HEADLINE, PublishedResult, percent, published_value
 from rsclip_ds.evaluation.suite import CLASSIFICATION, RETRIEVAL, RETRIEVAL_KEYS
 
 log = logging.getLogger("rsclip_ds")
-FAMILIES = ("Git-RSCLIP", "RemoteCLIP", "GeoRSCLIP", "SkyCLIP")   # the published columns, in order
-DASH = "—"
-_METRIC = {CLASSIFICATION: "top1", RETRIEVAL: "mean_recall"}
-
-
-def published_value(published: Sequence[PublishedResult], family: str, set_name: str,
-                    protocol: str) -> PublishedResult | None:
-    """The first published result of ``family`` (a model name prefix: "RemoteCLIP" matches
-    "RemoteCLIP ViT-L-14") for this set and protocol's headline metric."""
-    metric = _METRIC[protocol]
-    for p in published:
-        if p.model.startswith(family) and p.set == set_name and p.metric == metric:
-            return p
-    return None
-
-
-def percent(p: PublishedResult) -> float:
-    return 100 * p.value if p.metric == "top1" else p.value
-
-
 def _pct(value: float | None) -> str:
     return DASH if value is None else f"{100 * value:.2f}"
 
@@ -146,7 +126,7 @@ def plot_report(results: dict, published: Sequence[PublishedResult], path: Path)
                              squeeze=False)
     width = 0.8 / len(series)
     for ax, (protocol, rs) in zip(axes[0], groups):
-        key = _METRIC[protocol]
+        key = HEADLINE[protocol]
         other = _by_name(compare["sets"], protocol) if compare else {}
         for j, name in enumerate(series):
             values = []
@@ -174,12 +154,19 @@ def plot_report(results: dict, published: Sequence[PublishedResult], path: Path)
 
 
 def write_report(results: dict, out_dir: Path, published: Sequence[PublishedResult]) -> list[Path]:
-    """suite.json (everything, fractions), suite.md (the tables), suite.png (without matplotlib: not)."""
+    """samples/<set>.<kind>.jsonl (the records' per-sample rows, which leave the records for the file's name:
+    samples.py), suite.json (everything, fractions), suite.md (the tables), suite.png (without matplotlib:
+    not) and report.html (html_report.py: what the model got wrong, from those files)."""
+    from rsclip_ds.evaluation.html_report import write_html_report
+    from rsclip_ds.evaluation.samples import write_samples
+    from rsclip_ds.evaluation.suite import sample_files
+
     out_dir.mkdir(parents=True, exist_ok=True)
+    rows = write_samples(sample_files(results), out_dir)
     written = [out_dir / "suite.json", out_dir / "suite.md"]
     names = {r["name"] for r in results["sets"]}
     record = {**results, "published": [asdict(p) for p in published if p.set in names]}
-    written[0].write_text(json.dumps(record, indent=2, default=str))
-    written[1].write_text(markdown_report(results, published))
+    written[0].write_text(json.dumps(record, indent=2, default=str, ensure_ascii=False), encoding="utf-8")
+    written[1].write_text(markdown_report(results, published), encoding="utf-8")
     png = plot_report(results, published, out_dir / "suite.png")
-    return written + ([png] if png else [])
+    return rows + written + ([png] if png else []) + [write_html_report(out_dir)]

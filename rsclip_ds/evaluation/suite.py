@@ -22,22 +22,24 @@ from typing import Iterable
 import torch
 
 from rsclip_ds.data.bad import DataError
-from rsclip_ds.evaluation.catalog import FoundSet
+from rsclip_ds.evaluation.catalog import CLASSIFICATION, RETRIEVAL, FoundSet
 from rsclip_ds.evaluation.datasets import CaptionSet, ClassFolderSet, EvalSets
 from rsclip_ds.evaluation.embed import Embedder, _readable, class_embeddings, evaluate
 from rsclip_ds.evaluation.metrics import zero_shot_metrics
 from rsclip_ds.evaluation.prompts import TemplateSet
+from rsclip_ds.evaluation.samples import classification_rows, unreadable_errors
 
 log = logging.getLogger("rsclip_ds")
-CLASSIFICATION, RETRIEVAL = "zero-shot classification", "retrieval"
 RETRIEVAL_KEYS = ("i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10", "mean_recall")
 
 
 def evaluate_suite(found: Iterable[FoundSet], embedder: Embedder, templates: TemplateSet,
-                   max_bad_fraction: float = 0.01, keep_logits: bool = False) -> dict:
+                   max_bad_fraction: float = 0.01, keep_logits: bool = False, samples: bool = False) -> dict:
     """-> {"template_set", "template_source", "sets": [one record per set and protocol, in order]}.
     Fractions in [0, 1]. ``keep_logits``: classification records also hold "logits" (N, C), the
-    model's exp(t) cos + b for every scored image and class (for comparisons; large)."""
+    model's exp(t) cos + b for every scored image and class (for comparisons; large). ``samples``: on
+    rank 0, each scored record also holds "rows", its per-sample results (samples.py; write_report
+    writes them to samples/ and keeps the file's name)."""
     records = []
     for s in found:
         base = {"name": s.name, "root": str(s.root), "split": s.split, "known": s.spec is not None,
@@ -46,10 +48,11 @@ def evaluate_suite(found: Iterable[FoundSet], embedder: Embedder, templates: Tem
             raise ValueError(f"found set {s.name} ({s.root}) holds neither a class-folder nor a caption set")
         if s.classification is not None:
             records.append(_guarded(base, CLASSIFICATION, embedder.rank, lambda: classify_set(
-                embedder, s.classification, templates.for_set(s.name), s.name, max_bad_fraction, keep_logits)))
+                embedder, s.classification, templates.for_set(s.name), s.name, max_bad_fraction, keep_logits,
+                samples)))
         if s.retrieval is not None:
             records.append(_guarded(base, RETRIEVAL, embedder.rank, lambda: retrieve_set(
-                embedder, s.retrieval, s.name, max_bad_fraction)))
+                embedder, s.retrieval, s.name, max_bad_fraction, samples)))
     return {"template_set": templates.name, "template_source": templates.source, "sets": records}
 
 
@@ -65,9 +68,10 @@ def _guarded(base: dict, protocol: str, rank: int, run) -> dict:
 
 
 def classify_set(embedder: Embedder, cs: ClassFolderSet, templates: list[str], name: str,
-                 max_bad_fraction: float = 0.01, keep_logits: bool = False) -> dict:
+                 max_bad_fraction: float = 0.01, keep_logits: bool = False, samples: bool = False) -> dict:
     """Zero-shot classification of one class-folder set: the class embedding is the normalised
-    mean over ``templates`` of the prompted phrase (cs.class_names are the phrases)."""
+    mean over ``templates`` of the prompted phrase (cs.class_names are the phrases). ``samples``: rank 0's
+    record holds "rows", a row per image (samples.classification_rows)."""
     what = f"{name} zero-shot"
     prompts = [t.format(phrase) for phrase in cs.class_names for t in templates]   # (C * T,) class-major
     image_emb, text_emb = embedder.embed(cs.paths, prompts, what)                  # (N, D), (C * T, D)
@@ -82,14 +86,25 @@ def classify_set(embedder: Embedder, cs: ClassFolderSet, templates: list[str], n
     if keep_logits:
         scale, bias = embedder.logit_scale, embedder.logit_bias
         record["logits"] = (image_emb[ok] @ classes.T * scale.exp() + bias).tolist()   # (N_ok, C)
+    if samples and embedder.rank == 0:
+        record["rows"] = classification_rows(cs.paths, cs.labels, cs.class_names, ok, image_emb, classes,
+                                             unreadable_errors(embedder, cs.paths))
     return record
 
 
-def retrieve_set(embedder: Embedder, rs: CaptionSet, name: str, max_bad_fraction: float = 0.01) -> dict:
+def retrieve_set(embedder: Embedder, rs: CaptionSet, name: str, max_bad_fraction: float = 0.01,
+                 samples: bool = False) -> dict:
     """Image-text retrieval of one caption set (rsclip_ds.evaluation.embed.evaluate's)."""
-    r = evaluate(embedder, EvalSets(retrieval=rs, max_bad_fraction=max_bad_fraction))["retrieval"]
+    r = evaluate(embedder, EvalSets(retrieval=rs, max_bad_fraction=max_bad_fraction), samples=samples)["retrieval"]
     return {"images": r["num_images"], "captions": r["num_texts"], **{k: r[k] for k in RETRIEVAL_KEYS},
-            "skipped_images": r["skipped_images"], "skipped_captions": r["skipped_captions"]}
+            "skipped_images": r["skipped_images"], "skipped_captions": r["skipped_captions"],
+            **({"rows": r["rows"]} if "rows" in r else {})}
+
+
+def sample_files(results: dict) -> list[tuple[str, str, dict]]:
+    """(set name, samples kind, record) of every record that holds per-sample rows (samples.write_samples)."""
+    return [(r["name"], "zero-shot" if r["protocol"] == CLASSIFICATION else "retrieval", r)
+            for r in results["sets"] if "rows" in r]
 
 
 def suite_metrics(results: dict) -> dict[str, float]:

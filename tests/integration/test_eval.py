@@ -110,6 +110,13 @@ def test_the_suite_hook_under_zero3_equals_the_eval_hook(trained):
     assert [(s["name"], s["protocol"]) for s in last["sets"]] == [("synthetic", "zero-shot classification"),
                                                                    ("synthetic", "retrieval")]
     assert last["sets"][0]["images"] == NUM_VAL and last["template_set"] == "ours"
+    # rank 0 wrote each step's report: the suite's and the plain sets' per-sample rows and report.html
+    for folder, name in ((out / f"suite_eval/step{STEPS:08d}", "synthetic"),
+                         (out / f"eval/step{STEPS:08d}", "classes")):
+        rows = [json.loads(line) for line in (folder / f"samples/{name}.zero-shot.jsonl").read_text().splitlines()]
+        assert len(rows) == NUM_VAL and (folder / "report.html").stat().st_size > 10_000
+        assert sum(r["rank"] == 1 for r in rows) / NUM_VAL == pytest.approx(result["evals"][-1]["zero_shot/top1"])
+    assert last["sets"][0]["samples"] == f"step{STEPS:08d}/samples/synthetic.zero-shot.jsonl"
 
 
 def test_zero3_two_ranks_equal_single_process(trained, eval_data):
@@ -150,3 +157,13 @@ def test_eval_command_on_exported_folder(trained, eval_data, tmp_path):
     assert len(res["zero_shot"]["per_class"]) == 8
     rows = (tmp_path / "csv/ev/Eval_zero_shot_top1.csv").read_text().split()
     assert rows[0] == "step,top1" and float(rows[1].split(",")[1]) == pytest.approx(res["zero_shot"]["top1"])
+    # the per-sample rows and the report beside res.json (res/), without a second pass over the images
+    assert (res["zero_shot"]["samples"], res["retrieval"]["samples"]) == ("res/samples/classes.zero-shot.jsonl",
+                                                                          "res/samples/captions.retrieval.jsonl")
+    samples = [json.loads(line) for line in (tmp_path / res["zero_shot"]["samples"]).read_text().splitlines()]
+    assert len(samples) == NUM_VAL and sum(r["rank"] == 1 for r in samples) / NUM_VAL == pytest.approx(
+        res["zero_shot"]["top1"])
+    queries = [json.loads(line) for line in (tmp_path / res["retrieval"]["samples"]).read_text().splitlines()]
+    assert sum(r["query"] == "caption" for r in queries) == NUM_VAL * 4
+    suite = json.loads((tmp_path / "res/suite.json").read_text())
+    assert [s["name"] for s in suite["sets"]] == ["classes", "captions"] and (tmp_path / "res/report.html").is_file()

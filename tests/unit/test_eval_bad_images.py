@@ -74,6 +74,29 @@ def test_unreadable_images_are_skipped_counted_and_the_metrics_are_the_set_witho
     assert _numbers(got) == pytest.approx(_numbers(want), abs=1e-6)
 
 
+def test_the_per_sample_rows_list_the_unreadable_images_and_rank_the_rest(damaged):
+    """samples=True: every listed image has its row; the broken ones say so (and why: this one process read
+    them all), the others' ranks give the metrics of the set without the broken ones."""
+    listed, broken, bundle = damaged
+    sets = dataclasses.replace(listed, max_bad_fraction=0.1)
+    got = evaluate(Embedder(bundle.model.eval(), bundle, 7, progress=False), sets, samples=True)
+    rows = got["zero_shot"]["rows"]
+    assert [r["image"] for r in rows] == [str(p) for p in listed.zero_shot.paths]
+    bad = [r for r in rows if not r["readable"]]
+    assert {r["image"] for r in bad} == {str(p) for p in broken if p in listed.zero_shot.paths}
+    assert all(r["rank"] is None and r["top5"] == [] and r["error"] for r in bad)
+    assert any("FileNotFoundError" in r["error"] for r in bad)
+    good = [r for r in rows if r["readable"]]
+    assert sum(r["rank"] == 1 for r in good) / len(good) == pytest.approx(got["zero_shot"]["top1"])
+    queries = got["retrieval"]["rows"]
+    captions = [r for r in queries if r["query"] == "caption"]
+    assert len(captions) == len(listed.retrieval.captions) and sum(not r["readable"] for r in captions) == 2 * 4
+    kept = [r for r in captions if r["readable"]]
+    assert sum(r["rank"] == 1 for r in kept) / len(kept) == pytest.approx(got["retrieval"]["t2i_R@1"])
+    assert all(not set(r["top5"]) & {listed.retrieval.image_paths.index(p) for p in broken
+                                     if p in listed.retrieval.image_paths} for r in kept)   # never ranked
+
+
 def test_past_the_threshold_every_set_stops_with_the_fix(damaged):
     listed, _, bundle = damaged
     assert listed.max_bad_fraction == EvalConfig().max_bad_fraction == 0.01   # 2 of 24 is too many

@@ -2,7 +2,8 @@
 pipeline on the Git-RSCLIP-shaped folder; hand-computed metrics on hand-built sets with known
 embeddings, on one rank and two; the report (markdown with the published columns, PNG, the
 compared model); the template sets; the hook during training; the CLI on a suite root in the
-released layouts (that one needs catalog.find_sets, issue 24's catalog part)."""
+released layouts (that one needs catalog.find_sets, issue 24's catalog part); the per-sample rows behind
+every number (issue 46: samples.py) and the files and report.html they go to.""" 
 
 from __future__ import annotations
 
@@ -228,12 +229,61 @@ def test_report_table_published_columns_compare_and_png(known, tmp_path):
     assert "- WHU-RS19: `farmland` -> \"farm land\", `bareLand` -> \"bare land\", `sea_ice` -> \"sea ice\"" in lines
     assert f"Not recognised (not evaluated): `{tmp_path / 'notes'}`" in lines
     written = write_report(results, tmp_path / "out", PUBLISHED)
-    assert [p.name for p in written] == ["suite.json", "suite.md", "suite.png"]
+    assert [p.name for p in written] == ["suite.json", "suite.md", "suite.png", "report.html"]   # no rows: no samples
     record = json.loads((tmp_path / "out/suite.json").read_text())
     assert record["sets"][0]["top1"] == pytest.approx(6 / 7) and record["compare"]["sets"][0]["top1"] == 0.5
     assert {p["set"] for p in record["published"]} == {"WHU-RS19", "RSICD"}    # AID was not evaluated
     with Image.open(tmp_path / "out/suite.png") as png:
         assert png.format == "PNG" and png.size[0] >= 600 and png.size[1] >= 300
+
+
+def test_per_sample_rows_are_what_the_metrics_were_computed_from(known, tmp_path):
+    """The rows of the known sets: each image's rank of its class and top classes, each caption's rank of its
+    image and each image's rank of its captions (ties against the model, as in the metrics); recall and top-1
+    counted from the rows equal the metrics; write_report puts them in samples/, one JSON line per row."""
+    pd = pytest.importorskip("pandas")
+    found, bundle, model, retrieval_model, templates = known
+    cls = evaluate_suite(found[:1], Embedder(model, bundle, 2, progress=False), templates, samples=True)["sets"][0]
+    ret = evaluate_suite(found[1:], Embedder(retrieval_model, bundle, 3, progress=False), templates,
+                         samples=True)["sets"][0]
+    rows = cls["rows"]
+    assert [r["rank"] for r in rows] == [1, 1, 1, 1, 1, 1, 2]          # image 6 (sea ice) looks like farm land
+    assert rows[6]["top5"] == [0, 2, 1] and rows[6]["top5_names"] == ["farm land", "sea ice", "bare land"]
+    assert rows[6]["top5_scores"] == pytest.approx([0.8, 0.6, 0.0], abs=1e-4) and rows[6]["label_name"] == "sea ice"
+    assert all(r["readable"] and r["error"] is None for r in rows)
+    assert rows[3]["image"] == str(found[0].classification.paths[3])
+    assert sum(r["rank"] == 1 for r in rows) / len(rows) == pytest.approx(cls["top1"])
+    captions = [r for r in ret["rows"] if r["query"] == "caption"]
+    images = [r for r in ret["rows"] if r["query"] == "image"]
+    assert [r["rank"] for r in captions] == [1, 2, 1, 3] and [r["rank"] for r in images] == [1, 2, 1]
+    assert captions[1]["top5"] == [0, 1, 2] and captions[1]["top5_images"][0] == str(found[1].retrieval.image_paths[0])
+    assert images[1]["top5_captions"][:2] == ["green grass", "a bare field"] and images[2]["captions"] == [2, 3]
+    for k in (1, 5, 10):
+        assert sum(r["rank"] <= k for r in captions) / len(captions) == pytest.approx(ret[f"t2i_R@{k}"])
+        assert sum(r["rank"] <= k for r in images) / len(images) == pytest.approx(ret[f"i2t_R@{k}"])
+    written = write_report({"model": "m", "template_set": "ours", "sets": [cls, ret]}, tmp_path / "out", PUBLISHED)
+    assert [p.relative_to(tmp_path / "out").as_posix() for p in written[:2]] == [
+        "samples/WHU-RS19.zero-shot.jsonl", "samples/RSICD.retrieval.jsonl"]
+    record = json.loads((tmp_path / "out/suite.json").read_text())
+    assert [r["samples"] for r in record["sets"]] == ["samples/WHU-RS19.zero-shot.jsonl",
+                                                       "samples/RSICD.retrieval.jsonl"]
+    assert "rows" not in record["sets"][0]
+    frame = pd.read_json(tmp_path / "out" / record["sets"][0]["samples"], lines=True)     # what a user does
+    assert list(frame["rank"]) == [1] * 6 + [2] and list(frame["label_name"])[6] == "sea ice"
+    assert len(pd.read_json(tmp_path / "out" / record["sets"][1]["samples"], lines=True)) == 4 + 3
+
+
+def test_sample_files_keep_non_ascii_and_safe_names(tmp_path):
+    from rsclip_ds.evaluation.samples import read_rows, sample_file, write_rows
+
+    assert sample_file("UCM-captions", "retrieval") == "UCM-captions.retrieval.jsonl"
+    assert sample_file("RS sets/北京 v1.0", "zero-shot") == "RS_sets____v1.0.zero-shot.jsonl"   # " ", "/", 北, 京, " "
+    with pytest.raises(ValueError, match="one of"):
+        sample_file("AID", "classification")
+    rows = [{"caption": "一些绿色的树木在建筑物旁边", "rank": 3}, {"caption": "ciudad con río", "rank": 1}]
+    path = write_rows(tmp_path / "samples" / "x.retrieval.jsonl", rows)
+    assert "一些绿色的树木" in path.read_text(encoding="utf-8") and read_rows(path) == rows
+    assert not list(path.parent.glob("*.partial"))
 
 
 # --------------------------------------------------------------------------- template sets
@@ -316,6 +366,14 @@ def test_the_training_hook_evaluates_the_suite_on_its_steps_on_every_rank(publis
     assert written["suite"]["template_set"] == "git-rsclip"
     assert written["suite"]["sets"][0]["top1"] == pytest.approx(alone["sets"][0]["top1"], abs=1e-6)
     assert not (tmp_path / "eval/step00000004.json").exists()
+    # the step's report folder (rank 0 alone writes it): the suite's files, its samples, report.html
+    step = tmp_path / "eval/step00000006"
+    assert written["suite"]["sets"][0]["samples"] == "step00000006/samples/WHU-RS19.zero-shot.jsonl"
+    assert {"report.html", "suite.json", "suite.md"} <= {p.name for p in step.iterdir()}
+    assert json.loads((step / "suite.json").read_text())["sets"][0]["samples"] == "samples/WHU-RS19.zero-shot.jsonl"
+    lines = (tmp_path / "eval" / written["suite"]["sets"][0]["samples"]).read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert len(rows) == 7 and sum(r["rank"] == 1 for r in rows) / 7 == pytest.approx(alone["sets"][0]["top1"], abs=1e-6)
 
 
 # --------------------------------------------------------------------------- (e) the command
@@ -365,7 +423,12 @@ def test_the_command_on_a_suite_root(published, tmp_path, capsys):
     assert "test" in rsicd["split"] and whu["split"].startswith("all images")
     assert record["unrecognised"] == [str(tmp_path / "rs" / "notes")]
     assert record["template_set"] == "git-rsclip"
-    assert record["compare"]["sets"] == record["sets"]                   # the same model twice: the same numbers
+    assert record["compare"]["sets"] == [{k: v for k, v in r.items() if k != "samples"} for r in record["sets"]]
+    # the same model twice: the same numbers; the rows are ours only, next to suite.json, and the report
+    assert [r["samples"] for r in record["sets"]] == ["samples/RSICD.retrieval.jsonl",
+                                                       "samples/WHU-RS19.zero-shot.jsonl"]
+    assert len((out / "samples/WHU-RS19.zero-shot.jsonl").read_text().splitlines()) == 38
+    assert (out / "report.html").is_file()
     assert "WHU-RS19" in printed and "all images" in printed and "notes" in printed
     md = (out / "suite.md").read_text()
     git = next(p for p in published_results() if p.model == "Git-RSCLIP" and p.set == "WHU-RS19")
