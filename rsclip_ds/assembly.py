@@ -418,7 +418,8 @@ class Trainer:
         summary = build_summary(result, profile=self.profile, batch=self.resolved.batch, precision=run.precision,
                                 source=p.bundle.source or run.model.preset, num_parameters=p.bundle.num_parameters(),
                                 activation_checkpointing=self.resolved.activation_checkpointing, loss=run.loss.name,
-                                negatives=run.loss.negatives, accumulation=run.batch.accumulation)
+                                negatives=run.loss.negatives, accumulation=run.batch.accumulation,
+                                output_dir=run.output_dir)
         summary["startup_s"] = {**self.startup, "total": sum(v for v in self.startup.values() if v)}
         epochs = epochs_record(p.loader)
         if epochs is not None:   # what each epoch delivered of its data (data.policy=exact: all but < 1 global batch)

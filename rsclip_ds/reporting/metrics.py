@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from rsclip_ds.reporting.eval_visuals import SuiteImages, tensorboard_writer
+
 
 def read_metrics(path: str | Path, *, last_run: bool = False) -> dict[str, list[dict]]:
     """-> {"train": [...], "eval": [...], "events": [...]}: the train and eval lines of the whole
@@ -74,6 +76,12 @@ def monitor_events(step: int, record: dict[str, Any]) -> list[tuple[str, float, 
     return [(name, value, step) for name, value in train_values(record).items()]
 
 
+def suite_ran(metrics: dict[str, Any]) -> bool:
+    """An evaluation's flat metrics hold the benchmark suite's (suite/<set>/<metric>): its step
+    folder eval/step{N:08d}/ was written."""
+    return any(k.startswith("suite/") for k in metrics)
+
+
 def eval_values(metrics: dict[str, Any]) -> dict[str, float]:
     """An evaluation's flat metrics -> {"Eval/<group>/<metric>": value}, numbers only."""
     return {f"Eval/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
@@ -97,16 +105,23 @@ class MetricsLog:
     `monitor`: the engine's DeepSpeed MonitorMaster (TensorBoard / CSV), or None. `wandb`: a
     reporting.wandb_log.WandbLog, or None; its owner finishes it (the summary comes after close).
     `mfu`: samples/s (all ranks) -> each device's model FLOPs utilisation (mfu_of), or None where the
-    device's peak is unknown (CPU ranks): train lines then carry `mfu` (monitors: Train/mfu)."""
+    device's peak is unknown (CPU ranks): train lines then carry `mfu` (monitors: Train/mfu).
+    With DeepSpeed's TensorBoard monitor on, a suite evaluation also puts the suite's confusion
+    matrices and retrieval galleries into its event file as images (eval_visuals.SuiteImages), read
+    from `eval_dir`/step{N:08d}/ (default: the eval/ folder beside metrics.jsonl, where the hook writes)."""
 
     def __init__(self, path: str | Path, monitor=None, *, resumed_at: int | None = None, enabled: bool = True,
-                 wandb=None, mfu: Callable[[float], float] | None = None):
+                 wandb=None, mfu: Callable[[float], float] | None = None, eval_dir: str | Path | None = None):
         self.enabled, self.mfu = enabled, mfu
         self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self.wandb = wandb if enabled else None
         self._f = None
+        self.images = None
         if not enabled:
             return
+        writer = tensorboard_writer(self.monitor)
+        if writer is not None:
+            self.images = SuiteImages(writer, Path(eval_dir) if eval_dir is not None else Path(path).parent / "eval")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._f = path.open("a")   # a resumed run continues the file; a fresh run adds a start marker
@@ -136,6 +151,8 @@ class MetricsLog:
         self._write({"kind": "eval", "step": step, "eval": metrics, "time": time.time()})
         if self.monitor is not None:
             self.monitor.write_events([(name, value, step) for name, value in eval_values(metrics).items()])
+        if self.images is not None and suite_ran(metrics):
+            self.images.write(step)
         if self.wandb is not None:
             self.wandb.eval(step, metrics)
 
@@ -157,3 +174,6 @@ class MetricsLog:
         if self._f is not None:
             self._f.close()
             self._f = None
+        if self.images is not None:   # the run's end: DeepSpeed's TensorBoard writer closes with it
+            self.images.close()
+            self.images = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,20 @@ def _window_mean(values: list[float], head: bool, n: int = 5) -> float:
     return sum(window) / max(1, len(window))
 
 
+def latest_report(output_dir: str | Path) -> str | None:
+    """The evaluation report of the run's latest suite step, {output_dir}/eval/step{N:08d}/report.html
+    with the highest N that has one (as a path from where output_dir is given); None without one."""
+    reports = [(int(m.group(1)), p) for p in Path(output_dir).glob("eval/step*/report.html")
+               if (m := re.fullmatch(r"step(\d+)", p.parent.name))]
+    return str(max(reports)[1]) if reports else None
+
+
 def build_summary(result: TrainResult, *, profile: Profile, batch: BatchSizes, precision: str,
                   source, num_parameters: int, activation_checkpointing: bool,
-                  loss: str, negatives: str, accumulation: str) -> dict[str, Any]:
-    """``source``: where the model came from (a hub.ModelSource, or a preset name)."""
+                  loss: str, negatives: str, accumulation: str,
+                  output_dir: str | Path | None = None) -> dict[str, Any]:
+    """``source``: where the model came from (a hub.ModelSource, or a preset name). ``output_dir``:
+    the run's folder, where the latest evaluation report is looked for ("report")."""
     return {
         "profile": profile.name, "zero_stage": profile.stage,
         "offload_optimizer": profile.offload_optimizer, "offload_param": profile.offload_param,
@@ -36,6 +47,7 @@ def build_summary(result: TrainResult, *, profile: Profile, batch: BatchSizes, p
         **result.to_dict(),
         # per-rank means over the log windows, and the slowest / fastest / max-data-wait ranks
         "load": load_summary(result.rank_load),
+        "report": latest_report(output_dir) if output_dir is not None else None,
     }
 
 
@@ -142,6 +154,8 @@ def _fault_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     evals = s.get("evals", [])
     for ev in evals[:1] + evals[-1:] if len(evals) > 1 else evals:   # first and last; all in summary.json
         rows.append((f"eval @ step {ev['step']}", _headline(ev)))
+    if s.get("report"):
+        rows.append(("eval report", f"{s['report']} (open it in a browser)"))
     if s.get("resumed_from"):
         rows.append(("resumed", "at step " + ", ".join(str(x) for x in s["resumed_from"])))
     if s.get("checkpoints"):

@@ -1,5 +1,6 @@
 """Weights & Biases on rank 0 (logging.wandb): our metrics on the optimizer-step axis, the run's
-config and summary, the suite's tables and plot, and DeepSpeed's own events beside them.
+config and summary, the suite's tables and plot, its confusion matrices and retrieval galleries
+(eval_visuals.py reads them from the step's suite folder), and DeepSpeed's own events beside them.
 
     wb = build_wandb_log(run.logging, run.output_dir, rank=rank, resumed_at=None, config={...})
     metrics = MetricsLog(out / "metrics.jsonl", engine.monitor, wandb=wb)   # train lines, evaluations
@@ -42,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from rsclip_ds.config import LoggingConfig
-from rsclip_ds.reporting.metrics import eval_values, read_metrics, train_values
+from rsclip_ds.reporting.eval_visuals import TOP, Gallery, read_step, render_confusion, step_folder, thumbnail
+from rsclip_ds.reporting.metrics import eval_values, read_metrics, suite_ran, train_values
 
 log = logging.getLogger("rsclip_ds")
 STATE = "run.json"
@@ -70,6 +72,7 @@ class WandbLog:
 
     def __init__(self, run, state: Path, floor: int, eval_dir: Path | None = None):
         self.run, self.state, self.floor, self.eval_dir = run, state, floor, eval_dir
+        self._said_big: set[str] = set()   # the sets whose confusion matrix was too big for W&B's chart
 
     @classmethod
     def start(cls, state: Path, *, project: str | None, config: dict[str, Any], resumed_at: int | None,
@@ -141,12 +144,14 @@ class WandbLog:
         self.floor = step
 
     def eval(self, step: int, metrics: dict[str, Any]) -> None:
-        """An evaluation's flat metrics (Eval/...); with the suite, its tables and plot (Suite/...)."""
+        """An evaluation's flat metrics (Eval/...); with the suite, its tables and plot (Suite/...)
+        and per set its confusion matrix or gallery (Suite/<set>/confusion, Suite/<set>/gallery)."""
         if step <= self.floor:
             return
         row = eval_values(metrics)
-        if any(k.startswith("suite/") for k in metrics):
+        if suite_ran(metrics):
             row.update(self._suite(step))
+            row.update(self._suite_visuals(step))
         self.run.log(row, step=step)
 
     def deepspeed_events(self, events: list[tuple[str, float, int]], step: int) -> None:
@@ -174,6 +179,36 @@ class WandbLog:
         png = plot_report(results, published, path.with_name(f"suite_step{step:08d}.png"))
         if png is not None:
             row["Suite/plot"] = wandb.Image(str(png))
+        return row
+
+    def _suite_visuals(self, step: int) -> dict[str, Any]:
+        """From the step's suite folder (eval/step{N:08d}/, eval_visuals.read_step): per
+        classification set W&B's confusion-matrix chart of the top-1 predictions, per retrieval set a
+        table of the sampled caption queries with their images. A matrix over W&B's table limit
+        (wandb.plot.confusion_matrix makes a K x K table of counts: K^2 rows, truncated past
+        Table.MAX_ROWS) goes as its rendering instead (needs matplotlib), said once per set."""
+        import wandb
+
+        visuals = read_step(step_folder(self.eval_dir, step)) if self.eval_dir is not None else None
+        if visuals is None:
+            return {}
+        row: dict[str, Any] = {}
+        for c in visuals.confusions:
+            key = f"Suite/{c.set}/confusion"
+            if len(c.classes) ** 2 <= wandb.Table.MAX_ROWS:
+                row[key] = wandb.plot.confusion_matrix(y_true=c.labels, preds=c.preds, class_names=c.classes,
+                                                       title=f"{c.set} (step {step})")
+                continue
+            image = render_confusion(c)
+            if c.set not in self._said_big:
+                self._said_big.add(c.set)
+                log.info("W&B: %s has %d classes, %d cells over W&B's table limit of %d: its confusion matrix "
+                         "goes as an image%s", c.set, len(c.classes), len(c.classes) ** 2, wandb.Table.MAX_ROWS,
+                         "" if image is not None else " (not this run: matplotlib is not installed)")
+            if image is not None:
+                row[key] = wandb.Image(image, caption=f"{c.set}: rows true class, columns top-1, rows sum to 1")
+        for g in visuals.galleries:
+            row[f"Suite/{g.set}/gallery"] = gallery_table(g)
         return row
 
     # ---- the end
@@ -207,6 +242,31 @@ class DeepSpeedEvents:
         if self.inner is not None and self.inner.enabled:
             self.inner.write_events(events)
         self.wandb_log.deepspeed_events(events, self.step_of())
+
+
+GALLERY_COLUMNS = ["caption", "caption_index", "rank", "correct image"] + [f"top{k}" for k in range(1, TOP + 1)]
+
+
+def gallery_table(g: Gallery):
+    """A retrieval set's sampled caption queries as a wandb.Table, one row per query: the caption, its
+    index, the rank of its image, that image and the top-5 images as wandb.Image thumbnails (captioned
+    with their score; the correct one 'correct'). A set with fewer than 5 images: empty cells."""
+    import wandb
+
+    thumbs: dict[str, Any] = {}   # an image in several rows is read once
+
+    def image(path: str, caption: str):
+        if path not in thumbs:
+            thumbs[path] = thumbnail(path)
+        return wandb.Image(thumbs[path], caption=caption)
+
+    data = []
+    for r in g.rows:
+        top = [image(p, f"{score:.2f}" + (" correct" if i == r["image_index"] else ""))
+               for p, i, score in zip(r["top5_images"], r["top5"], r["top5_scores"])]
+        data.append([r["caption"], r["caption_index"], r["rank"], image(r["image"], "correct")]
+                    + top + [None] * (TOP - len(top)))
+    return wandb.Table(columns=GALLERY_COLUMNS, data=data)   # typed columns: W&B shows the images
 
 
 def last_logged_step(run) -> int:

@@ -189,3 +189,110 @@ def test_offline_only_when_nothing_says_otherwise(tmp_path, env, mode, said):
 def test_markdown_tables_read_back_cells_as_suite_md_writes_them():
     text = "# t\n\n## Retrieval\n\n| set | a\\|b | x |\n|---|---:|---:|\n| RSICD | 1.50 | — |\n\nafter\n"
     assert markdown_tables(text) == [("Retrieval", ["set", "a|b", "x"], [["RSICD", 1.5, None]])]
+
+
+def _offline_records(out, run_id, kind: str):
+    from rsclip_ds.reporting.wandb_log import wandb_records
+
+    for path in sorted((out / "monitor" / "wandb" / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")):
+        for record in wandb_records(path):
+            if record.WhichOneof("record_type") == kind:
+                yield getattr(record, kind)
+
+
+def _visualize_specs(out, run_id) -> dict:
+    """The run's custom charts: config's _wandb.visualize (read_offline_run leaves _wandb out)."""
+    specs = {}
+    for config in _offline_records(out, run_id, "config"):
+        for item in config.update:
+            keys = list(item.nested_key) or [item.key]
+            if keys[:2] == ["_wandb", "visualize"]:
+                specs[keys[2]] = json.loads(item.value_json)
+    return specs
+
+
+def _table_artifact(out, run_id, key: str) -> tuple[dict, dict]:
+    """A logged table as `wandb sync` uploads it: W&B puts a table of media into a run_table artifact
+    (the run's files/ copy holds "Image" placeholders) -> (the table's JSON, {its path: the staged file})."""
+    from pathlib import Path
+
+    for artifact in _offline_records(out, run_id, "artifact"):
+        files = {c.path: Path(c.local_path) for c in artifact.manifest.contents}
+        if f"{key}.table.json" in files:
+            return json.loads(files[f"{key}.table.json"].read_text()), files
+    raise AssertionError(f"no run_table artifact holds {key}")
+
+
+def test_the_suite_confusion_matrix_and_gallery_land_at_the_suite_step(offline):
+    """The hook wrote eval/step00000006/ (the shared contract: suite.json + samples/, by hand here):
+    W&B's own confusion-matrix chart of the fixture's known confusions and a table of the capped, seeded
+    caption sample with its images, at step 6 beside the scalars."""
+    from PIL import Image
+
+    from tests.unit.test_eval_visuals import CLASSES, COUNTS, SUITE_METRICS, expected_gallery, write_step_folder
+
+    out = offline
+    run = load_config(None, [f"output_dir={out}", "logging.wandb=true", "logging.wandb_project=rs-test"])
+    configure_wandb_offline(out / "monitor")
+    wb = build_wandb_log(run.logging, out, rank=0, resumed_at=None, config={})
+    rows = write_step_folder(out / "eval" / "step00000006", out / "img", 6)
+    log = MetricsLog(out / "metrics.jsonl", wandb=wb)
+    log.eval(3, {"zero_shot/top1": 0.3})                    # no suite: no visuals
+    log.eval(6, {"zero_shot/top1": 0.4, **SUITE_METRICS})
+    log.train(6, {"loss": 1.0})
+    log.close()
+    run_id = wb.run.id
+    wb.finish()
+    history = _read(out, run_id)["history"]
+    three, six = (next(r for r in history if r["_step"] == s) for s in (3, 6))
+    assert not any(k.startswith("Suite/") for k in three)
+    assert six["Eval/suite/UCM/top1"] == SUITE_METRICS["suite/UCM/top1"] and six["Train/loss"] == 1.0
+    assert not any(k.startswith("Suite/AID/") for k in six)   # a set that could not be scored
+    # the confusion matrix: W&B's chart (its vega spec) over its K x K table of counts
+    assert six["Suite/UCM/confusion_table"]["_type"] == "table-file"
+    spec = _visualize_specs(out, run_id)["Suite/UCM/confusion"]
+    assert spec["panel_config"]["panelDefId"] == "wandb/confusion_matrix/v1"
+    table, _ = _table_artifact(out, run_id, "Suite/UCM/confusion_table")
+    assert table["columns"] == ["Actual", "Predicted", "nPredictions"] and len(table["data"]) == len(CLASSES) ** 2
+    got = {(a, p): n for a, p, n in table["data"]}
+    assert [[got[(a, p)] for p in CLASSES] for a in CLASSES] == COUNTS
+    # the gallery: one row per sampled caption query, its images as W&B images
+    assert six["Suite/RSICD/gallery"]["_type"] == "table-file" and six["Suite/RSICD/gallery"]["nrows"] == 8
+    gallery, files = _table_artifact(out, run_id, "Suite/RSICD/gallery")
+    assert gallery["columns"] == ["caption", "caption_index", "rank", "correct image", "top1", "top2", "top3", "top4",
+                                  "top5"]
+    want = expected_gallery(rows["retrieval"])
+    assert [r[:3] for r in gallery["data"]] == [[w["caption"], w["caption_index"], w["rank"]] for w in want]
+    for row, w in zip(gallery["data"], want):
+        cells = row[3:]
+        assert all(c["_type"] == "image-file" for c in cells)
+        assert [c["caption"].endswith("correct") for c in cells[1:]] == [t == w["image_index"] for t in w["top5"]]
+        assert [c["caption"][:4] for c in cells[1:]] == [f"{v:.2f}" for v in w["top5_scores"]]
+        for c in cells:   # the fixture's 40 x 30 PNGs, under the 128 px thumbnail cap: as they are
+            assert (c["width"], c["height"]) == (40, 30) and Image.open(files[c["path"]]).size == (40, 30)
+
+
+def test_a_confusion_matrix_over_wandbs_table_limit_goes_as_its_image(offline, monkeypatch, caplog):
+    """wandb.plot.confusion_matrix makes a K x K table of counts, cut at Table.MAX_ROWS rows: a set with
+    more cells (here: the limit lowered to 4 < 3 x 3) gets the rendered matrix instead, said once."""
+    pytest.importorskip("matplotlib", reason="the rendering needs matplotlib (the test extra installs it)")
+    import logging
+
+    import wandb
+
+    from tests.unit.test_eval_visuals import SUITE_METRICS, write_step_folder
+
+    monkeypatch.setattr(wandb.Table, "MAX_ROWS", 4)
+    out = offline
+    run = load_config(None, [f"output_dir={out}", "logging.wandb=true"])
+    configure_wandb_offline(out / "monitor")
+    wb = build_wandb_log(run.logging, out, rank=0, resumed_at=None, config={})
+    with caplog.at_level(logging.INFO, logger="rsclip_ds"):
+        for step in (3, 6):
+            write_step_folder(out / "eval" / f"step{step:08d}", out / "img", step)
+            wb.eval(step, SUITE_METRICS)
+    run_id = wb.run.id
+    wb.finish()
+    rows = [r for r in _read(out, run_id)["history"] if "Suite/UCM/confusion" in r]
+    assert [r["_step"] for r in rows] == [3, 6] and all(r["Suite/UCM/confusion"]["_type"] == "image-file" for r in rows)
+    assert sum("over W&B's table limit" in r.getMessage() for r in caplog.records) == 1
