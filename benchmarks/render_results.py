@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.results_tables import census, chaos, comms, data, faults, memory, throughput, training
+from benchmarks.results_tables import census, chaos, comms, data, evaluation, faults, memory, throughput, training
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -262,6 +262,11 @@ FAULTS = (
         Source("faults_chaos.json", note=removed("benchmarks/faults/chaos.py")),)),
 )
 
+EVALUATION = (
+    Family("eval-report", "Per-sample results and report.html for a 10,000-image set", evaluation.report, (
+        Source("eval_report.json", py("eval_report", f"--out {R}/eval_report.json")),)),
+)
+
 PAGES = (
     Page("throughput.md", "Throughput", "`benchmarks/throughput/`, `benchmarks/gpu/` and removed one-off scripts",
          THROUGHPUT),
@@ -271,6 +276,7 @@ PAGES = (
     Page("training.md", "Losses and precision", "removed one-off scripts (`benchmarks/loss/`, `benchmarks/precision/`)",
          TRAINING),
     Page("faults.md", "Faults", "`benchmarks/faults/` and removed one-off scripts", FAULTS),
+    Page("evaluation.md", "Evaluation", "`benchmarks/eval_report.py`", EVALUATION),
 )
 FAMILIES = tuple(f for page in PAGES for f in page.families)
 

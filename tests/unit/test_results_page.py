@@ -24,6 +24,7 @@ ANCHORS = {      # other docs link to these anchors on these pages (`results/mem
     "comms.md": ["comms", "comms-hpz", "scaling", "heartbeat"],
     "training.md": ["contrastive", "grad-accum", "pure-bf16"],
     "faults.md": ["nonfinite", "checksum", "faults-chaos"],
+    "evaluation.md": ["eval-report"],
 }
 ANCHOR = re.compile(r'<a id="([a-z0-9-]+)"></a>')
 LINK = re.compile(r"\]\(([^)\s]+)\)")
