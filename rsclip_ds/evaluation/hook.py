@@ -1,4 +1,5 @@
-"""Evaluation during training: the hook the train loop calls, its log line, JSON and monitor events."""
+"""Evaluation during training: the hook the train loop calls, its log line, JSON and monitor events, and the
+report folder of each evaluation (suite.json, per-sample files, report.html), which `rsclip-ds eval` writes too."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from rsclip_ds.evaluation.suite import CLASSIFICATION, RETRIEVAL, RETRIEVAL_KEYS
 from rsclip_ds.model import ModelBundle
 
 log = logging.getLogger("rsclip_ds")
+
 
 def evaluation_records(results: dict, cfg: EvalConfig) -> list[dict]:
     """embed.evaluate's results as the suite's records (suite.py: one per set and protocol), the set named by
