@@ -23,3 +23,15 @@ def tiny_tokenizer(tiny_shards, tmp_path_factory):
     urls = [str(tiny_shards["dir"] / s["url"]) for s in tiny_shards["train"]]
     return train_tokenizer(iter_captions(urls), tmp_path_factory.mktemp("tokenizer"), vocab_size=300,
                            max_length=40)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """DeepSpeed's monitors ask deepspeed.comm for the rank: a 1-process gloo group."""
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed("gloo", auto_mpi_discovery=False, init_method=f"file://{tmp_path}/store",
+                               rank=0, world_size=1, verbose=False)
+    yield
+    dist.destroy_process_group()

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
 
 from rsclip_ds.config import ConfigError
 from rsclip_ds.evaluation.datasets import CaptionSet, ClassFolderSet, class_folder_set, load_caption_json
@@ -94,26 +93,7 @@ class PublishedResult:
     note: str = ""                     # protocol caveats ("fine-tuned on ...", "column RS2800/RSSCN7")
 
 
-# the published columns of suite.md and report.html
-FAMILIES = ("Git-RSCLIP", "RemoteCLIP", "GeoRSCLIP", "SkyCLIP")   # the published columns, in order
-DASH = "—"
 CLASSIFICATION, RETRIEVAL = "zero-shot classification", "retrieval"   # the protocols a set is scored by
-HEADLINE = {CLASSIFICATION: "top1", RETRIEVAL: "mean_recall"}        # the headline number of each
-
-
-def published_value(published: Sequence[PublishedResult], family: str, set_name: str,
-                    protocol: str) -> PublishedResult | None:
-    """The first published result of ``family`` (a model name prefix: "RemoteCLIP" matches
-    "RemoteCLIP ViT-L-14") for this set and protocol's headline metric."""
-    metric = HEADLINE[protocol]
-    for p in published:
-        if p.model.startswith(family) and p.set == set_name and p.metric == metric:
-            return p
-    return None
-
-
-def percent(p: PublishedResult) -> float:
-    return 100 * p.value if p.metric == "top1" else p.value
 
 
 def folder_key(name: str) -> str:

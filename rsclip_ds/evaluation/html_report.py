@@ -40,7 +40,8 @@ from urllib.parse import quote
 import numpy as np
 from PIL import Image
 
-from rsclip_ds.evaluation.catalog import DASH, FAMILIES, PublishedResult, percent, published_value
+from rsclip_ds.evaluation.catalog import PublishedResult
+from rsclip_ds.evaluation.published import DASH, FAMILIES, pct, percent, published_value, short_model
 from rsclip_ds.evaluation.samples import read_rows
 from rsclip_ds.evaluation.suite import CLASSIFICATION, RETRIEVAL, RETRIEVAL_KEYS
 
@@ -245,10 +246,6 @@ def _e(value) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _pct(value: float | None) -> str:
-    return DASH if value is None else f"{100 * value:.2f}"
-
-
 def _delta(points: float | None) -> str:
     """A difference in percentage points, coloured by its sign."""
     if points is None:
@@ -273,10 +270,6 @@ def _published(suite: dict) -> list[PublishedResult]:
     return [PublishedResult(**{k: v for k, v in p.items() if k in known}) for p in suite.get("published", [])]
 
 
-def _short(model: str) -> str:
-    return str(model).rstrip("/").rsplit("/", 1)[-1]
-
-
 def _header(suite: dict) -> list[str]:
     """The title, what was evaluated, and the two headline tables with the published columns."""
     published = _published(suite)
@@ -287,7 +280,7 @@ def _header(suite: dict) -> list[str]:
         meta.append(f"step {_e(suite['step'])}")
     ts = f"template set <code>{_e(suite.get('template_set', '?'))}</code>"
     meta.append(ts + (f" ({_e(suite['template_source'])})" if suite.get("template_source") else ""))
-    out = [f"<h1>Evaluation report: {_e(_short(suite.get('model', '?')))}</h1>",
+    out = [f"<h1>Evaluation report: {_e(short_model(suite.get('model', '?')))}</h1>",
            f'<p class="meta">{" · ".join(meta)}</p>',
            f'<p class="note">Percent. Published numbers beside ours where the model\'s paper or card has the set '
            f'({DASH}: not published). Generated from suite.json and the per-sample files beside it.</p>']
@@ -302,14 +295,14 @@ def _header(suite: dict) -> list[str]:
         if not records:
             continue
         headline = keys[0] if protocol == CLASSIFICATION else "mean_recall"
-        extra = [f"{_short(compare['model'])} {names[keys.index(headline)]}"] if compare else []
+        extra = [f"{short_model(compare['model'])} {names[keys.index(headline)]}"] if compare else []
         counts = ("images", "classes") if protocol == CLASSIFICATION else ("images", "captions")
         rows = []
         for i, r in records:
             name = f'<a href="#set-{i}">{_e(r["name"])}</a>'
             ours = ([f'<td class="failed l" colspan="{len(keys)}">failed: {_e(r["error"])}</td>'] if "error" in r
-                    else [_pct(r.get(k)) for k in keys])
-            theirs = [_pct(other.get((r["name"], protocol), {}).get(headline))] if compare else []
+                    else [pct(r.get(k)) for k in keys])
+            theirs = [pct(other.get((r["name"], protocol), {}).get(headline))] if compare else []
             cells = []
             for family in FAMILIES:
                 p = published_value(published, family, r["name"], protocol)
@@ -351,13 +344,13 @@ def _comparison(suite: dict) -> list[str]:
             if ours is None and theirs is None:   # failed under both: the headline table says why
                 continue
             delta = 100 * (ours - theirs) if ours is not None and theirs is not None else None
-            rows.append([_e(r["name"]), _e(r["protocol"]), _e(label), _pct(ours), _pct(theirs), _delta(delta)])
-    return [f"<h2>Compared with {_e(_short(compare['model']))}</h2>",
+            rows.append([_e(r["name"]), _e(r["protocol"]), _e(label), pct(ours), pct(theirs), _delta(delta)])
+    return [f"<h2>Compared with {_e(short_model(compare['model']))}</h2>",
             f'<p class="meta">{_e(compare["model"])}'
             + (f" · template set <code>{_e(compare['template_set'])}</code>" if compare.get("template_set") else "")
             + "</p>",
-            _table(["set", "protocol", "metric", f"ours ({_short(suite.get('model', '?'))})",
-                    _short(compare["model"]), "Δ (points)"], rows, text_columns=3)]
+            _table(["set", "protocol", "metric", f"ours ({short_model(suite.get('model', '?'))})",
+                    short_model(compare["model"]), "Δ (points)"], rows, text_columns=3)]
 
 
 def _set_section(out_dir: Path, i: int, record: dict, compared: dict | None, thumbs: Thumbnails,
@@ -388,8 +381,8 @@ def _classification(record: dict, rows: list[dict], compared: dict | None, thumb
     matrix = confusion_matrix(labels, predicted, len(phrases))            # (C, C)
     order = confusion_order(matrix, phrases)
     out = [f'<p class="meta">{_e(record.get("images", len(ok)))} images scored, {len(phrases)} classes, '
-           f'{len(record.get("templates", []))} templates · top-1 {_pct(record.get("top1"))} · '
-           f'top-5 {_pct(record.get("top5"))} · mean per class {_pct(record.get("mean_per_class"))}</p>',
+           f'{len(record.get("templates", []))} templates · top-1 {pct(record.get("top1"))} · '
+           f'top-5 {pct(record.get("top5"))} · mean per class {pct(record.get("mean_per_class"))}</p>',
            "<h3>Confusion matrix</h3>",
            '<p class="note">Rows: the true class; columns: the predicted (top-1) class; shade: the share of '
            f"the row's images (green on the diagonal, red off it). {ORDER_RULE}</p>",
@@ -397,7 +390,7 @@ def _classification(record: dict, rows: list[dict], compared: dict | None, thumb
            "<h3>Per-class accuracy, worst first</h3>",
            _accuracy_table(matrix, phrases, compared)]
     if compared and compared.get("per_class"):
-        out += _gained_lost(record.get("per_class", {}), compared["per_class"], _short(compared.get("model", "")))
+        out += _gained_lost(record.get("per_class", {}), compared["per_class"], short_model(compared.get("model", "")))
     out += _confused_pairs(matrix, phrases, ok, labels, predicted, thumbs, gallery)
     bad = [r for r in rows if not r["readable"]]
     return out + _unreadable([(r["image"], r.get("label_name", ""), r.get("error")) for r in bad], "class")
@@ -440,13 +433,13 @@ def _accuracy_table(matrix: np.ndarray, phrases: list[str], compared: dict | Non
         bar = f'<span class="bar" style="width:{60 * acc:.0f}px"></span> ' if acc is not None else ""
         taken = f"{_e(phrases[int(off[i].argmax())])} ({int(off[i].max())})" if off[i].max() > 0 else ""
         row = [_e(phrases[i]), str(int(totals[i])), str(int(correct[i])),
-               f'<td data-class="{_e(phrases[i])}" class="accuracy">{bar}{_pct(acc)}</td>', f'<td class="l">{taken}</td>']
+               f'<td data-class="{_e(phrases[i])}" class="accuracy">{bar}{pct(acc)}</td>', f'<td class="l">{taken}</td>']
         if compared:
             other = theirs.get(phrases[i])
-            row += [_pct(other), _delta(100 * (acc - other) if acc is not None and other is not None else None)]
+            row += [pct(other), _delta(100 * (acc - other) if acc is not None and other is not None else None)]
         rows.append(row)
     head = ["class", "images", "correct", "top-1", "most often taken for"]
-    head += [f"{_short(compared.get('model', 'compared'))} top-1", "Δ (points)"] if compared else []
+    head += [f"{short_model(compared.get('model', 'compared'))} top-1", "Δ (points)"] if compared else []
     return _table(head, rows)
 
 
@@ -457,7 +450,7 @@ def _gained_lost(ours: dict, theirs: dict, other: str, k: int = 8) -> list[str]:
     lost = sorted((d for d in deltas if d[0] < 0), key=lambda d: (d[0], d[1]))[:k]
 
     def side(title: str, items, cls: str) -> str:
-        rows = [[_e(c), _pct(ours[c]), _pct(theirs[c]), _delta(d)] for d, c in items]
+        rows = [[_e(c), pct(ours[c]), pct(theirs[c]), _delta(d)] for d, c in items]
         return (f'<div class="{cls}"><h3>{_e(title)}</h3>'
                 + (_table(["class", "ours", other or "compared", "Δ (points)"], rows) if rows else "<p>none</p>")
                 + "</div>")
@@ -517,10 +510,10 @@ def _retrieval(record: dict, rows: list[dict], thumbs: Thumbnails, gallery: Gall
 
     def median(rs: list[dict]) -> str:
         return f"{np.median([r['rank'] for r in rs]):g}" if rs else DASH
-    recall = [["caption → image (t2i)", *[_pct(record.get(f"t2i_R@{k}")) for k in (1, 5, 10)], median(ok_c)],
-              ["image → caption (i2t)", *[_pct(record.get(f"i2t_R@{k}")) for k in (1, 5, 10)], median(ok_i)]]
+    recall = [["caption → image (t2i)", *[pct(record.get(f"t2i_R@{k}")) for k in (1, 5, 10)], median(ok_c)],
+              ["image → caption (i2t)", *[pct(record.get(f"i2t_R@{k}")) for k in (1, 5, 10)], median(ok_i)]]
     out = [f'<p class="meta">{_e(record.get("images", len(ok_i)))} images, {_e(record.get("captions", len(ok_c)))} '
-           f'captions scored · mean recall {_pct(record.get("mean_recall"))}</p>',
+           f'captions scored · mean recall {pct(record.get("mean_recall"))}</p>',
            _table(["direction", "R@1", "R@5", "R@10", "median rank"], recall, cls="recall")]
     k = min(gallery.max_queries, len(ok_c))
     sample = [ok_c[n] for n in sorted(random.Random(gallery.seed).sample(range(len(ok_c)), k))]

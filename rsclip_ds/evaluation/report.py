@@ -16,18 +16,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
-from rsclip_ds.evaluation.catalog import DASH, FAMILIES, HEADLINE, PublishedResult, percent, published_value
-from rsclip_ds.evaluation.suite import CLASSIFICATION, RETRIEVAL, RETRIEVAL_KEYS
+from rsclip_ds.evaluation.catalog import PublishedResult
+from rsclip_ds.evaluation.published import DASH, FAMILIES, HEADLINE, pct, percent, published_value, short_model
+from rsclip_ds.evaluation.html_report import write_html_report
+from rsclip_ds.evaluation.samples import write_samples
+from rsclip_ds.evaluation.suite import CLASSIFICATION, RETRIEVAL, RETRIEVAL_KEYS, sample_files
 
 log = logging.getLogger("rsclip_ds")
-def _pct(value: float | None) -> str:
-    return DASH if value is None else f"{100 * value:.2f}"
-
-
-def _short(model: str) -> str:
-    return model.rstrip("/").rsplit("/", 1)[-1]
-
-
 def _row_published(published, name: str, protocol: str, used: dict) -> list[str]:
     cells = []
     for family in FAMILIES:
@@ -48,7 +43,7 @@ def markdown_report(results: dict, published: Sequence[PublishedResult]) -> str:
     compare = results.get("compare")
     other = _by_name(compare["sets"], CLASSIFICATION) if compare else {}
     other_r = _by_name(compare["sets"], RETRIEVAL) if compare else {}
-    extra = [f"{_short(compare['model'])} top-1"] if compare else []
+    extra = [f"{short_model(compare['model'])} top-1"] if compare else []
     used: dict = {}
     lines = [f"# Remote-sensing benchmark suite: {results['model']}", "",
              f"Template set `{results['template_set']}`" + (f" ({results['template_source']})"
@@ -61,21 +56,21 @@ def markdown_report(results: dict, published: Sequence[PublishedResult]) -> str:
         lines += ["## Zero-shot classification", "", _md_row(head), _md_rule(head, 2)]
         for r in cls:
             ours = ([f"failed: {r['error'][:60]}", DASH, DASH] if "error" in r else
-                    [_pct(r["top1"]), _pct(r["top5"]), _pct(r["mean_per_class"])])
-            theirs = [_pct(other.get(r["name"], {}).get("top1"))] if compare else []
+                    [pct(r["top1"]), pct(r["top5"]), pct(r["mean_per_class"])])
+            theirs = [pct(other.get(r["name"], {}).get("top1"))] if compare else []
             lines.append(_md_row([r["name"], r["split"], str(r.get("images", DASH)), str(r.get("classes", DASH)),
                                   *ours, *theirs, *_row_published(published, r["name"], CLASSIFICATION, used)]))
         lines.append("")
     ret = [r for r in results["sets"] if r["protocol"] == RETRIEVAL]
     if ret:
         names = ["i2t R@1", "i2t R@5", "i2t R@10", "t2i R@1", "t2i R@5", "t2i R@10", "mean recall"]
-        extra_r = [f"{_short(compare['model'])} mean recall"] if compare else []
+        extra_r = [f"{short_model(compare['model'])} mean recall"] if compare else []
         head = ["set", "split", "images", "captions", *names, *extra_r, *FAMILIES]
         lines += ["## Retrieval", "", _md_row(head), _md_rule(head, 2)]
         for r in ret:
             ours = ([f"failed: {r['error'][:60]}"] + [DASH] * 6 if "error" in r else
-                    [_pct(r[k]) for k in RETRIEVAL_KEYS])
-            theirs = [_pct(other_r.get(r["name"], {}).get("mean_recall"))] if compare else []
+                    [pct(r[k]) for k in RETRIEVAL_KEYS])
+            theirs = [pct(other_r.get(r["name"], {}).get("mean_recall"))] if compare else []
             lines.append(_md_row([r["name"], r["split"], str(r.get("images", DASH)), str(r.get("captions", DASH)),
                                   *ours, *theirs, *_row_published(published, r["name"], RETRIEVAL, used)]))
         lines.append("")
@@ -138,8 +133,8 @@ def plot_report(results: dict, published: Sequence[PublishedResult], path: Path)
                 else:
                     p = published_value(published, name, r["name"], protocol)
                     values.append(percent(p) if p is not None else float("nan"))
-            label = (f"compare: {_short(compare['model'])}" if name == "compare" else
-                     f"ours: {_short(results['model'])}" if name == "ours" else f"{name} (published)")
+            label = (f"compare: {short_model(compare['model'])}" if name == "compare" else
+                     f"ours: {short_model(results['model'])}" if name == "ours" else f"{name} (published)")
             ax.bar([i + (j - (len(series) - 1) / 2) * width for i in range(len(rs))], values, width, label=label)
         ax.set_xticks(range(len(rs)), [r["name"] for r in rs], rotation=30, ha="right")
         ax.set_ylabel("top-1 (%)" if key == "top1" else "mean recall (%)")
@@ -157,10 +152,6 @@ def write_report(results: dict, out_dir: Path, published: Sequence[PublishedResu
     """samples/<set>.<kind>.jsonl (the records' per-sample rows, which leave the records for the file's name:
     samples.py), suite.json (everything, fractions), suite.md (the tables), suite.png (without matplotlib:
     not) and report.html (html_report.py: what the model got wrong, from those files)."""
-    from rsclip_ds.evaluation.html_report import write_html_report
-    from rsclip_ds.evaluation.samples import write_samples
-    from rsclip_ds.evaluation.suite import sample_files
-
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = write_samples(sample_files(results), out_dir)
     written = [out_dir / "suite.json", out_dir / "suite.md"]

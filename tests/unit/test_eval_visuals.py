@@ -144,18 +144,6 @@ def test_duplicate_class_phrases_get_distinct_names(tmp_path):
     assert unique_names(["meadow", "farmland", "meadow"]) == ["meadow", "farmland", "meadow (2)"]
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """DeepSpeed's monitors ask deepspeed.comm for the rank: a 1-process gloo group."""
-    import deepspeed
-    import torch.distributed as dist
-
-    deepspeed.init_distributed("gloo", auto_mpi_discovery=False, init_method=f"file://{tmp_path}/store",
-                               rank=0, world_size=1, verbose=False)
-    yield
-    dist.destroy_process_group()
-
-
 def _tensorboard_run(out, steps, suite_steps):
     """MetricsLog with DeepSpeed's TensorBoard monitor (logging.tensorboard=true, as the Trainer builds
     it) through the train loop; at ``suite_steps`` the hook writes the step folder, then returns the

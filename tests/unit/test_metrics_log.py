@@ -200,18 +200,6 @@ def test_data_delay_rank_needs_a_delay():
         load_config(None, ["faults.inject_data_delay_rank=1"])
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """DeepSpeed's monitors ask deepspeed.comm for the rank: a 1-process gloo group."""
-    import deepspeed
-    import torch.distributed as dist
-
-    deepspeed.init_distributed("gloo", auto_mpi_discovery=False, init_method=f"file://{tmp_path}/store",
-                               rank=0, world_size=1, verbose=False)
-    yield
-    dist.destroy_process_group()
-
-
 def test_tensorboard_and_csv_hold_our_events_at_the_optimizer_step(tmp_path, one_rank_group):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
